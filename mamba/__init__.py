@@ -1,0 +1,22 @@
+"""mamba-blocks: Mamba-1, Mamba-2 and Mamba-3 blocks whose float32 results are
+bit-identical on the CPU and on GPUs, across batch composition, and between one
+prefill and any split of it into prefill and decode steps."""
+from ._core import Array, empty, zeros
+from ._backends import backends
+from .blocks import DecodeSession
+from .block1 import Mamba1Block, Mamba1State
+from ._weights import random_weights
+from . import lowbit
+
+__version__ = "0.1.0"
+
+
+def asarray(obj, shape=None):
+    """A float32 mamba.Array copy of a float32 buffer, optionally reshaped."""
+    from . import _core
+    a = _core.copy(_core.intake(obj, "asarray", "obj"))
+    return a.reshape(tuple(shape)) if shape is not None else a
+
+
+__all__ = ["Array", "empty", "zeros", "asarray", "backends", "DecodeSession",
+           "Mamba1Block", "Mamba1State", "random_weights", "lowbit"]

@@ -1,0 +1,263 @@
+"""What the three blocks share: construction, state checks, forward/step plumbing
+and the decode session. Each block file adds its weights, state layout and kernel."""
+import os
+
+from . import _core, _intake as chk
+from . import _backends
+
+MODES = ("identical", "fast")
+
+
+class _State:
+    """Caller-owned recurrent state: float32 buffers updated in place, plus scalars."""
+    _PIECES = ()
+    _SCALARS = ()
+    _resident_session = None
+
+    def pieces(self):
+        return tuple(getattr(self, n) for n in self._PIECES)
+
+    def __repr__(self):
+        parts = [f"{n}={getattr(self, n)!r}" for n in self._SCALARS]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+class _Block:
+    """Subclasses set _W_NAMES, _STATE and implement _weight_shapes, _state_shapes,
+    _check_scalars and _kernel."""
+    _W_NAMES = ()
+    _STATE = _State
+
+    def __init__(self, weights, *, numeric_mode="identical", backend="auto"):
+        what = type(self).__name__
+        if numeric_mode not in MODES:
+            raise ValueError(f"mamba {what}: numeric_mode must be one of {MODES}, got "
+                             f"{numeric_mode!r}")
+        self.numeric_mode = numeric_mode
+        self._backend = _backends.resolve(backend, what)
+        from . import lowbit
+        weights, self.weight_format = lowbit.expand(weights, what)
+        raw = chk.weights(weights, what, self._W_NAMES)
+        arrs = [chk.f32(a, what, n) for a, n in zip(raw, self._W_NAMES)]
+        first = arrs[0]
+        if first.ndim != 1 or first.shape[0] < 1:
+            raise ValueError(f"mamba {what}: {self._W_NAMES[0]} must be 1-D (d_model,), got "
+                             f"shape {first.shape}")
+        self.d_model = first.shape[0]
+        self._check_d_model(what)
+        for a, n in zip(arrs, self._W_NAMES):
+            chk.shape(a, what, n, *self._weight_shapes()[n])
+            chk.finite(a, what, n)
+        self._w = tuple(arrs)
+        self._dev_w = self._backend.upload_weights(self._w)
+
+    def _check_d_model(self, what):
+        pass
+
+    # ------------------------------------------------------------- reporting
+    def numeric_mode_used(self):
+        """The numeric mode the block runs in ('identical' or 'fast')."""
+        return self.numeric_mode
+
+    def vendor_used(self):
+        """The backend the block runs on: 'cpu', 'cuda' or 'hip'."""
+        return self._backend.name
+
+    def refresh_weights(self):
+        """Re-read the weight arrays (after editing them in place) into the backend.
+
+        On the CPU the weights are borrowed, so edits are seen without this call; on
+        a GPU the block holds an uploaded copy that only this call replaces."""
+        what = type(self).__name__ + ".refresh_weights"
+        for a, n in zip(self._w, self._W_NAMES):
+            chk.finite(a, what, n)
+        self._dev_w = self._backend.upload_weights(self._w)
+
+    # --------------------------------------------------------------- state
+    def allocate_state(self, batch_size):
+        """A zero state for batch_size sequences."""
+        what = type(self).__name__ + ".allocate_state"
+        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"mamba {what}: batch_size must be a positive integer, got "
+                             f"{batch_size!r}")
+        shapes = self._state_shapes(int(batch_size))
+        return self._STATE(*[_core.zeros(shapes[n]) for n in self._STATE._PIECES])
+
+    def _state_arrays(self, state, what, B):
+        if not isinstance(state, self._STATE):
+            raise TypeError(f"mamba {what}: state must be a {self._STATE.__name__}, got "
+                            f"{type(state).__name__}")
+        if state._resident_session is not None:
+            raise ValueError(f"mamba {what}: the state is owned by an open decode session; "
+                             "call sync_state() or close() on the session first")
+        shapes = self._state_shapes(B)
+        arrs = []
+        for n in self._STATE._PIECES:
+            a = chk.f32(getattr(state, n), what, f"state.{n}", writable=True)
+            chk.shape(a, what, f"state.{n}", shapes[n])
+            chk.finite(a, what, f"state.{n}")
+            arrs.append(a)
+        self._check_scalars(state, what)
+        return arrs
+
+    def _check_scalars(self, state, what):
+        pass
+
+    # ------------------------------------------------------------- compute
+    def _call(self, x, state, step, lengths):
+        what = type(self).__name__ + (".step" if step else ".forward")
+        x = chk.tokens(x, what, self.d_model, step)
+        B, L = x.shape[0], x.shape[1]
+        if lengths is not None:
+            if state is not None:
+                raise ValueError(f"mamba {what}: lengths cannot be combined with a carried "
+                                 "state (each row would end at a different position)")
+            lengths = chk.lengths(lengths, what, B, L)
+        chk.real_finite(x, what, lengths)
+        fresh = state is None
+        if fresh:
+            state = self.allocate_state(B)
+        pieces = self._state_arrays(state, what, B)
+        y = self._backend.empty(x.shape, like=x)
+        self._kernel(self._dev_w, x, pieces, state, y, lengths)
+        return y
+
+    def forward(self, x, state=None, *, lengths=None):
+        """Run the block over a sequence: x (B, L, d_model) float32 -> y, same shape.
+
+        state=None runs a self-contained prefill from a zero state. A state from
+        allocate_state is read at entry and updated in place, so a later forward or
+        step continues exactly as one long prefill would. lengths makes the batch
+        ragged (B integers in [1, L], right padding): real positions equal the row
+        run alone, padding outputs are +0.0 and padding inputs are never read.
+        """
+        return self._call(x, state, False, lengths)
+
+    __call__ = forward
+
+    def step(self, x, state):
+        """One decode token per row: x (B, 1, d_model) or (B, d_model); state required."""
+        if state is None:
+            raise ValueError(f"mamba {type(self).__name__}.step: state is required "
+                             "(allocate_state(B) makes a fresh one)")
+        return self._call(x, state, True, None)
+
+    def decode_session(self, state):
+        """Open a DecodeSession for token-by-token decoding from `state`.
+
+        The session copies the weights and the state when it opens (on a GPU, into
+        device memory). Until sync_state() or close(), the state's arrays are stale
+        and forward/step refuse that state; edits to the state arrays are seen only
+        after load_state(); weight edits are not seen by an open session.
+        """
+        return DecodeSession(self, state)
+
+
+class DecodeSession:
+    """Token-by-token decoding on one block and one state, the same bytes as step.
+
+    Use as a context manager; close() copies the state back."""
+
+    def __init__(self, block, state):
+        what = "DecodeSession"
+        if state is None:
+            raise ValueError(f"mamba {what}: state is required (allocate_state)")
+        self._block = block
+        B = _state_batch(block, state, what)
+        src = block._state_arrays(state, what, B)
+        self._b = B
+        self._state = state
+        self._w = block._backend.session_weights(block)
+        self._pieces = [block._backend.copy(a) for a in src]
+        self._scalars = {n: getattr(state, n) for n in state._SCALARS}
+        self._shadow = block._STATE(*self._pieces, **self._scalars)
+        self._open = True
+        state._resident_session = self
+
+    @property
+    def state(self):
+        return self._state
+
+    @property
+    def is_open(self):
+        return self._open
+
+    def _require_open(self, what):
+        if not self._open:
+            raise ValueError(f"mamba DecodeSession.{what}: the session is closed")
+
+    def step(self, x):
+        """Decode one token per row; x is (B, 1, d_model) or (B, d_model)."""
+        self._require_open("step")
+        blk = self._block
+        what = "DecodeSession.step"
+        x = chk.tokens(x, what, blk.d_model, True)
+        if x.shape[0] != self._b:
+            raise ValueError(f"mamba {what}: the session holds {self._b} rows, x has "
+                             f"B = {x.shape[0]}")
+        chk.finite(x, what, "x")
+        y = blk._backend.empty(x.shape, like=x)
+        blk._kernel(self._w, x, self._pieces, self._shadow, y, None)
+        return y
+
+    def sync_state(self):
+        """Copy the session's state into the caller's state arrays; returns the state."""
+        self._require_open("sync_state")
+        for n, src in zip(self._state._PIECES, self._pieces):
+            dst = chk.f32(getattr(self._state, n), "DecodeSession.sync_state", n, writable=True)
+            self._block._backend.copy_into(dst, src)
+        for n in self._state._SCALARS:
+            setattr(self._state, n, getattr(self._shadow, n))
+        return self._state
+
+    def load_state(self):
+        """Reload the session from the caller's state arrays (after editing them)."""
+        self._require_open("load_state")
+        what = "DecodeSession.load_state"
+        self._state._resident_session = None
+        try:
+            src = self._block._state_arrays(self._state, what, self._b)
+        finally:
+            self._state._resident_session = self
+        for dst, a in zip(self._pieces, src):
+            self._block._backend.copy_into(dst, a)
+        for n in self._state._SCALARS:
+            setattr(self._shadow, n, getattr(self._state, n))
+        return self._state
+
+    def close(self):
+        """Copy the state back and release the session; closing twice is a no-op."""
+        if not self._open:
+            return
+        try:
+            self.sync_state()
+        finally:
+            self._open = False
+            self._state._resident_session = None
+            self._pieces = self._w = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        if getattr(self, "_open", False):
+            self._open = False
+            self._state._resident_session = None
+
+    def __repr__(self):
+        return f"DecodeSession(block={type(self._block).__name__}, open={self._open}, rows={self._b})"
+
+
+def _state_batch(block, state, what):
+    first = getattr(state, state._PIECES[0], None)
+    try:
+        shape = memoryview(first).shape if not isinstance(first, _core.Array) else first.shape
+    except TypeError:
+        raise TypeError(f"mamba {what}: state.{state._PIECES[0]} is not a float32 buffer") from None
+    if not shape:
+        raise ValueError(f"mamba {what}: state.{state._PIECES[0]} has no batch dimension")
+    return shape[0]

@@ -1,0 +1,122 @@
+/* Mamba-1 block, profile identical.mamba1.fp32.v1 (SPEC section 5). */
+#include <stdlib.h>
+#include <string.h>
+#include "mamba_ref.h"
+#include "numerics.h"
+#include "gemm.h"
+#include "ops.h"
+#include "fpenv.h"
+
+#define NS 16          /* d_state */
+#define CB 64          /* channels per scan task */
+
+/* The selective scan of one row over channels [c0, c0 + nc), h carried in place. */
+static void scan_block(int64_t len, int64_t di, int64_t R, int64_t c0, int64_t nc,
+                       const float *delta, const float *u, const float *xz,
+                       const float *xdbl, const float *AT, const float *D,
+                       float *h, float *yi)
+{
+    float hT[NS][CB], acc[CB];
+    const int64_t XR = R + 2 * NS;
+    for (int64_t i = 0; i < nc; i++)
+        for (int n = 0; n < NS; n++)
+            hT[n][i] = h[(c0 + i) * NS + n];
+    for (int64_t t = 0; t < len; t++) {
+        const float *dl = delta + t * di + c0, *uu = u + t * di + c0;
+        const float *zz = xz + t * 2 * di + di + c0;
+        const float *Bv = xdbl + t * XR + R, *Cv = Bv + NS;
+        for (int64_t i = 0; i < nc; i++)
+            acc[i] = 0.0f;
+        for (int n = 0; n < NS; n++) {
+            const float bn = Bv[n], cn = Cv[n];
+            const float *a = AT + n * di + c0;
+            for (int64_t i = 0; i < nc; i++) {
+                float dA = mb_exp(dl[i] * a[i]);
+                float dBu = (dl[i] * bn) * uu[i];
+#ifdef MB_SABOTAGE_UNFUSED_H
+                float hv = dA * hT[n][i] + dBu;
+#else
+                float hv = fmaf(dA, hT[n][i], dBu);
+#endif
+                hT[n][i] = hv;
+                acc[i] = fmaf(cn, hv, acc[i]);
+            }
+        }
+        float *yo = yi + t * di + c0;
+        for (int64_t i = 0; i < nc; i++)
+            yo[i] = (acc[i] + uu[i] * D[c0 + i]) * mb_silu(zz[i]);
+    }
+    for (int64_t i = 0; i < nc; i++)
+        for (int n = 0; n < NS; n++)
+            h[(c0 + i) * NS + n] = hT[n][i];
+}
+
+int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, const mb_m1_state *st, float *y)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, R = (dm + 15) / 16, XR = R + 2 * NS;
+    int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
+    if (!off)
+        return MB_ENOMEM;
+    const int64_t M = mb_row_offsets(B, L, lengths, off);
+    /* one allocation: xn/out (M dm), xz (M 2di), u, delta, yi (M di), xdbl (M XR),
+     * AT (16 di), and the packed input and output when the batch is ragged */
+    const int64_t ragged = lengths ? 2 * M * dm : 0;
+    float *buf = malloc((size_t)(M * dm + 5 * M * di + M * XR + NS * di + ragged) * sizeof(float));
+    if (!buf) {
+        free(off);
+        return MB_ENOMEM;
+    }
+    float *xn = buf, *xz = xn + M * dm, *u = xz + 2 * M * di, *delta = u + M * di;
+    float *yi = delta + M * di, *xdbl = yi + M * di, *AT = xdbl + M * XR;
+    const float *xs = x;
+    float *ys = y;
+    if (lengths) {
+        float *xp = AT + NS * di;
+        mb_pack_rows(B, L, dm, off, x, xp);
+        xs = xp;
+        ys = xp + M * dm;
+    }
+
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
+    MB_ISA_FN(mb_gemm)(M, 2 * di, dm, xn, dm, w->in_proj, dm, xz, 2 * di);
+
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t b = 0; b < B; b++) {
+        mb_fpenv env = mb_fpenv_enter();
+        MB_ISA_FN(mb_conv_silu)(off[b + 1] - off[b], di, xz + off[b] * 2 * di, 2 * di,
+                                st->conv_window + b * di * 4, w->conv_w, w->conv_b,
+                                u + off[b] * di, di);
+        mb_fpenv_exit(env);
+    }
+
+    MB_ISA_FN(mb_gemm)(M, XR, di, u, di, w->x_proj, di, xdbl, XR);
+    MB_ISA_FN(mb_gemm)(M, di, R, xdbl, XR, w->dt_proj_w, R, delta, di);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < di; c++)
+            delta[m * di + c] = mb_softplus(delta[m * di + c] + w->dt_proj_b[c]);
+    for (int64_t c = 0; c < di; c++)
+        for (int n = 0; n < NS; n++)
+            AT[n * di + c] = -mb_exp(w->A_log[c * NS + n]);
+
+    const int64_t nblk = (di + CB - 1) / CB;
+    #pragma omp parallel for schedule(dynamic) if (M * di > (1 << 12))
+    for (int64_t task = 0; task < B * nblk; task++) {
+        mb_fpenv env = mb_fpenv_enter();
+        int64_t b = task / nblk, c0 = (task % nblk) * CB;
+        int64_t nc = di - c0 < CB ? di - c0 : CB;
+        const int64_t o = off[b];
+        scan_block(off[b + 1] - o, di, R, c0, nc, delta + o * di, u + o * di, xz + o * 2 * di,
+                   xdbl + o * XR, AT, w->D, st->h + b * di * NS, yi + o * di);
+        mb_fpenv_exit(env);
+    }
+
+    MB_ISA_FN(mb_gemm)(M, dm, di, yi, di, w->out_proj, di, xn, dm);
+    for (int64_t i = 0; i < M * dm; i++)
+        ys[i] = xs[i] + xn[i];
+    if (lengths)
+        mb_unpack_rows(B, L, dm, off, ys, y);
+    free(buf);
+    free(off);
+    return MB_OK;
+}

@@ -1,0 +1,69 @@
+/* Public entry points: pick the ISA copy of the hot code once, and run every call
+ * with FTZ/DAZ cleared (fpenv.h). */
+#include "mamba_ref.h"
+#include "fpenv.h"
+
+#define DECLARE_ISA(ret, name, params) ret name##_base params; ret name##_v3 params;
+DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
+                                 const float *, const mb_m1_state *, float *))
+DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
+                            const float *, int64_t, float *, int64_t))
+DECLARE_ISA(int, mb_math_eval, (int, int64_t, const float *, float *))
+DECLARE_ISA(float, mb_dot_eval, (int64_t, const float *, const float *))
+
+static int isa_v3 = -1;
+
+static int cpu_has_v3(void)
+{
+#if MB_HAVE_V3
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+int mb_isa_select(int which)
+{
+    isa_v3 = (which < 0 ? cpu_has_v3() : which) && cpu_has_v3();
+    return isa_v3;
+}
+
+#if MB_HAVE_V3
+#define ISA(name) ((isa_v3 < 0 ? mb_isa_select(-1) : isa_v3) ? name##_v3 : name##_base)
+#else
+#define ISA(name) name##_base
+#endif
+
+#define GUARDED(call)                         \
+    mb_fpenv env_ = mb_fpenv_enter();         \
+    call;                                     \
+    mb_fpenv_exit(env_);
+
+int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, const mb_m1_state *state, float *y)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m1_forward)(w, B, L, lengths, x, state, y))
+    return rc;
+}
+
+void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
+             const float *W, int64_t ldw, float *Y, int64_t ldy)
+{
+    GUARDED(ISA(mb_gemm)(M, N, K, X, ldx, W, ldw, Y, ldy))
+}
+
+int mb_math_eval(int which, int64_t n, const float *x, float *y)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_math_eval)(which, n, x, y))
+    return rc;
+}
+
+float mb_dot_eval(int64_t k, const float *a, const float *b)
+{
+    float r;
+    GUARDED(r = ISA(mb_dot_eval)(k, a, b))
+    return r;
+}

@@ -1,0 +1,284 @@
+/* Y = X . W^T under dot v1 (SPEC 4.4): every output is a serial ascending fmaf chain
+ * from +0 over each leaf of 8192 k, leaves joined by the pairwise tree. Vectors run
+ * across outputs only, never across k, so the base and v3 copies give the same bits.
+ *
+ * Two paths. Large M: W is packed once per call into 16-column panels (k-major), and
+ * a 6x16 register tile (12 accumulators) broadcasts X and streams a panel; tasks are
+ * (row block, panel block) pairs. Small M (decode): a GEMV that reads W rows in
+ * place, transposing 8x8 blocks in registers, 32 rows x M chains in flight. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "gemm.h"
+#include "fpenv.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MB_SIMD 1
+#endif
+
+#define LEAF 8192
+#define MR 6       /* large path tile: rows of X ... */
+#define NR 16      /* ... by packed W columns (two vectors) */
+#define GM 4       /* small path: at most GM rows of X ... */
+#define GR 32      /* ... by GR rows of W per tile */
+#define SMALL_M 4  /* M up to this takes the GEMV path */
+#define MIN_PAR (1 << 18) /* multiply-adds below which a second thread costs more than it gives */
+
+typedef void (*leaf_fn)(const void *arg, int64_t k0, int64_t kl, float *t);
+
+/* n outputs under dot v1 into t. Leaves are merged as they arrive whenever the top
+ * two cover equal counts, and the rest fold right to left at the end: that is the
+ * level-by-level adjacent pairing of SPEC 4.4, with an odd tail carried up. */
+static void dot_v1_tile(leaf_fn f, const void *arg, int64_t K, int n, float *t)
+{
+    if (K <= LEAF) {
+        f(arg, 0, K, t);
+        return;
+    }
+    float stk[64][MR * NR > GM * GR ? MR * NR : GM * GR];
+    int64_t cnt[64];
+    int sp = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += LEAF) {
+        f(arg, k0, K - k0 < LEAF ? K - k0 : LEAF, stk[sp]);
+        cnt[sp++] = 1;
+        while (sp >= 2 && (cnt[sp - 1] == cnt[sp - 2] || k0 + LEAF >= K)) {
+            for (int i = 0; i < n; i++) stk[sp - 2][i] = stk[sp - 2][i] + stk[sp - 1][i];
+            cnt[sp - 2] += cnt[sp - 1];
+            sp--;
+        }
+    }
+    memcpy(t, stk[0], (size_t)n * sizeof(float));
+}
+
+/* ---- large M: packed panels ------------------------------------------------- */
+
+typedef struct {
+    const float *x[MR]; /* rows past M repeat the last one; their outputs are dropped */
+    const float *wp;    /* panel: wp[k*NR + j] = W[n0 + j][k], zero past N */
+} tile_arg;
+
+static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
+{
+    const tile_arg *a = arg;
+    const float *b = a->wp + k0 * NR;
+#ifdef MB_SIMD
+    const float *x0 = a->x[0] + k0, *x1 = a->x[1] + k0, *x2 = a->x[2] + k0;
+    const float *x3 = a->x[3] + k0, *x4 = a->x[4] + k0, *x5 = a->x[5] + k0;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < kl; k++, b += NR) {
+        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), v;
+        v = _mm256_broadcast_ss(x0 + k);
+        c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
+        v = _mm256_broadcast_ss(x1 + k);
+        c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
+        v = _mm256_broadcast_ss(x2 + k);
+        c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
+        v = _mm256_broadcast_ss(x3 + k);
+        c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
+        v = _mm256_broadcast_ss(x4 + k);
+        c40 = _mm256_fmadd_ps(v, b0, c40); c41 = _mm256_fmadd_ps(v, b1, c41);
+        v = _mm256_broadcast_ss(x5 + k);
+        c50 = _mm256_fmadd_ps(v, b0, c50); c51 = _mm256_fmadd_ps(v, b1, c51);
+    }
+    _mm256_storeu_ps(t + 0 * NR, c00); _mm256_storeu_ps(t + 0 * NR + 8, c01);
+    _mm256_storeu_ps(t + 1 * NR, c10); _mm256_storeu_ps(t + 1 * NR + 8, c11);
+    _mm256_storeu_ps(t + 2 * NR, c20); _mm256_storeu_ps(t + 2 * NR + 8, c21);
+    _mm256_storeu_ps(t + 3 * NR, c30); _mm256_storeu_ps(t + 3 * NR + 8, c31);
+    _mm256_storeu_ps(t + 4 * NR, c40); _mm256_storeu_ps(t + 4 * NR + 8, c41);
+    _mm256_storeu_ps(t + 5 * NR, c50); _mm256_storeu_ps(t + 5 * NR + 8, c51);
+#else
+    for (int i = 0; i < MR * NR; i++) t[i] = 0.0f;
+    for (int64_t k = 0; k < kl; k++, b += NR)
+        for (int i = 0; i < MR; i++) {
+            float xv = a->x[i][k0 + k];
+            for (int j = 0; j < NR; j++) t[i * NR + j] = fmaf(xv, b[j], t[i * NR + j]);
+        }
+#endif
+}
+
+#ifdef MB_SIMD
+/* r[0..7] hold 8 floats of rows 0..7 (row i: lo half r[i&3], hi half r[4+(i&3)]
+ * after the 128-bit interleave done by the loaders); out v[j] = column j. */
+static inline void tr8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 *v)
+{
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    v[0] = _mm256_shuffle_ps(t0, t2, 0x44); v[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    v[2] = _mm256_shuffle_ps(t1, t3, 0x44); v[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+
+/* v[j] = (w[0][k+j], ..., w[7][k+j]) for j < 8. The 128-bit halves are placed by the
+ * loads (rows i and i+4 share a register), so only 16 in-lane shuffles remain. */
+static inline void load_tr8(const float *const *w, int64_t k, __m256 *v)
+{
+#define LD2(a, b, o) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(w[a] + k + o)), \
+                                          _mm_loadu_ps(w[b] + k + o), 1)
+    tr8(LD2(0, 4, 0), LD2(1, 5, 0), LD2(2, 6, 0), LD2(3, 7, 0), v);
+    tr8(LD2(0, 4, 4), LD2(1, 5, 4), LD2(2, 6, 4), LD2(3, 7, 4), v + 4);
+#undef LD2
+}
+
+/* The same for the last rem < 8 columns; masked loads read nothing past them. */
+static inline void load_tr8_tail(const float *const *w, int64_t k, int rem, __m256 *v)
+{
+    __m128i lo = _mm_cmpgt_epi32(_mm_set1_epi32(rem), _mm_setr_epi32(0, 1, 2, 3));
+    __m128i hi = _mm_cmpgt_epi32(_mm_set1_epi32(rem), _mm_setr_epi32(4, 5, 6, 7));
+#define LD2(a, b, o, m) _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_maskload_ps(w[a] + k + o, m)), \
+                                             _mm_maskload_ps(w[b] + k + o, m), 1)
+    tr8(LD2(0, 4, 0, lo), LD2(1, 5, 0, lo), LD2(2, 6, 0, lo), LD2(3, 7, 0, lo), v);
+    tr8(LD2(0, 4, 4, hi), LD2(1, 5, 4, hi), LD2(2, 6, 4, hi), LD2(3, 7, 4, hi), v + 4);
+#undef LD2
+}
+#endif
+
+/* Panel p of W^T: NR columns from row n0, zero past N. */
+static void pack_panel(int64_t N, int64_t K, const float *W, int64_t ldw, int64_t n0, float *wp)
+{
+    const float *row[NR];
+    for (int j = 0; j < NR; j++) row[j] = W + (n0 + j < N ? n0 + j : N - 1) * ldw;
+    int64_t k = 0;
+#ifdef MB_SIMD
+    for (; k + 8 <= K; k += 8)
+        for (int h = 0; h < NR; h += 8) {
+            __m256 v[8];
+            load_tr8(row + h, k, v);
+            for (int j = 0; j < 8; j++) _mm256_store_ps(wp + (k + j) * NR + h, v[j]);
+        }
+#endif
+    for (; k < K; k++)
+        for (int j = 0; j < NR; j++) wp[k * NR + j] = row[j][k];
+    for (int j = (int)(N - n0); j < NR; j++) /* the repeated rows become zeros */
+        for (k = 0; k < K; k++) wp[k * NR + j] = 0.0f;
+}
+
+static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
+                       const float *W, int64_t ldw, float *Y, int64_t ldy)
+{
+    int64_t np = (N + NR - 1) / NR;
+    float *wp = aligned_alloc(64, (size_t)(np * NR * K) * sizeof(float));
+    if (!wp) return 0;
+    /* Row blocks of about 256 KiB of X stay in L2 while a task walks its panels. */
+    int64_t kl = K < LEAF ? K : LEAF, mb = (65536 / kl) / MR * MR;
+    mb = mb < MR ? MR : mb > 240 ? 240 : mb;
+    int64_t pb = 16, nmb = (M + mb - 1) / mb, npb = (np + pb - 1) / pb;
+#pragma omp parallel if (M * N * K >= MIN_PAR)
+    {
+        mb_fpenv fe = mb_fpenv_enter();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < np; p++) pack_panel(N, K, W, ldw, p * NR, wp + p * NR * K);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < nmb * npb; task++) {
+            int64_t m0 = task / npb * mb, m1 = m0 + mb < M ? m0 + mb : M;
+            int64_t p0 = task % npb * pb, p1 = p0 + pb < np ? p0 + pb : np;
+            for (int64_t p = p0; p < p1; p++)
+                for (int64_t m = m0; m < m1; m += MR) {
+                    tile_arg a;
+                    float t[MR * NR];
+                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                    int nr = N - p * NR < NR ? (int)(N - p * NR) : NR;
+                    for (int i = 0; i < MR; i++) a.x[i] = X + (m + (i < mr ? i : mr - 1)) * ldx;
+                    a.wp = wp + p * NR * K;
+                    dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
+                    for (int i = 0; i < mr; i++)
+                        memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));
+                }
+        }
+        mb_fpenv_exit(fe);
+    }
+    free(wp);
+    return 1;
+}
+
+/* ---- small M: W rows read in place ------------------------------------------ */
+
+typedef struct {
+    int m;               /* rows of X in use, 1..GM */
+    const float *x[GM];
+    const float *w[GR];  /* rows past N repeat the last one; their outputs are dropped */
+} gemv_arg;
+
+#ifdef MB_SIMD
+/* M is a constant here so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void gemv_leaf_m(const gemv_arg *a, int mm, int64_t k0,
+                                                              int64_t kl, float *t)
+{
+    __m256 acc[GM][GR / 8], v[8];
+    for (int i = 0; i < mm; i++)
+        for (int b = 0; b < GR / 8; b++) acc[i][b] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= kl; k += 8)
+        for (int b = 0; b < GR / 8; b++) {
+            load_tr8(a->w + 8 * b, k0 + k, v);
+            for (int j = 0; j < 8; j++)
+                for (int i = 0; i < mm; i++)
+                    acc[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(a->x[i] + k0 + k + j), v[j], acc[i][b]);
+        }
+    if (k < kl)
+        for (int b = 0; b < GR / 8; b++) {
+            load_tr8_tail(a->w + 8 * b, k0 + k, (int)(kl - k), v);
+            for (int j = 0; j < kl - k; j++)
+                for (int i = 0; i < mm; i++)
+                    acc[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(a->x[i] + k0 + k + j), v[j], acc[i][b]);
+        }
+    for (int i = 0; i < mm; i++)
+        for (int b = 0; b < GR / 8; b++) _mm256_storeu_ps(t + i * GR + 8 * b, acc[i][b]);
+}
+#endif
+
+static void gemv_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
+{
+    const gemv_arg *a = arg;
+#ifdef MB_SIMD
+    switch (a->m) {
+    case 1: gemv_leaf_m(a, 1, k0, kl, t); return;
+    case 2: gemv_leaf_m(a, 2, k0, kl, t); return;
+    case 3: gemv_leaf_m(a, 3, k0, kl, t); return;
+    default: gemv_leaf_m(a, 4, k0, kl, t); return;
+    }
+#else
+    for (int i = 0; i < a->m * GR; i++) t[i] = 0.0f;
+    for (int64_t k = k0; k < k0 + kl; k++)
+        for (int r = 0; r < GR; r++)
+            for (int i = 0; i < a->m; i++) t[i * GR + r] = fmaf(a->x[i][k], a->w[r][k], t[i * GR + r]);
+#endif
+}
+
+static void gemm_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
+                      const float *W, int64_t ldw, float *Y, int64_t ldy)
+{
+    int64_t ng = (N + GR - 1) / GR;
+#pragma omp parallel if (M * N * K >= MIN_PAR)
+    {
+        mb_fpenv fe = mb_fpenv_enter();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < ng; g++) {
+            int64_t n0 = g * GR;
+            int nr = N - n0 < GR ? (int)(N - n0) : GR;
+            gemv_arg a;
+            float t[GM * GR];
+            for (int r = 0; r < GR; r++) a.w[r] = W + (n0 + (r < nr ? r : nr - 1)) * ldw;
+            for (int64_t m = 0; m < M; m += GM) { /* W is read once per GM rows of X */
+                a.m = M - m < GM ? (int)(M - m) : GM;
+                for (int i = 0; i < a.m; i++) a.x[i] = X + (m + i) * ldx;
+                dot_v1_tile(gemv_leaf, &a, K, a.m * GR, t);
+                for (int i = 0; i < a.m; i++)
+                    memcpy(Y + (m + i) * ldy + n0, t + i * GR, (size_t)nr * sizeof(float));
+            }
+        }
+        mb_fpenv_exit(fe);
+    }
+}
+
+void MB_ISA_FN(mb_gemm)(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
+                        const float *W, int64_t ldw, float *Y, int64_t ldy)
+{
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        for (int64_t m = 0; m < M; m++) memset(Y + m * ldy, 0, (size_t)N * sizeof(float));
+        return;
+    }
+    /* The packed path falls back to the in-place one if its scratch is refused. */
+    if (M <= SMALL_M || !gemm_packed(M, N, K, X, ldx, W, ldw, Y, ldy))
+        gemm_rows(M, N, K, X, ldx, W, ldw, Y, ldy);
+}

@@ -1,0 +1,15 @@
+/* The one projection routine: Y = X . W^T under dot v1 (SPEC 4.4). */
+#ifndef MB_GEMM_H
+#define MB_GEMM_H
+#include <stdint.h>
+#include "isa.h"
+
+/* Y[m*ldy + n] = dot_v1_k(X[m*ldx + 0..K), W[n*ldw + 0..K)) for m < M, n < N.
+ * W is row-major (N, K), as torch stores Linear weights. Y must not alias X or W.
+ * Threads over both cores (OpenMP); bits depend on K only. */
+void MB_ISA_FN(mb_gemm)(int64_t M, int64_t N, int64_t K,
+                        const float *X, int64_t ldx,
+                        const float *W, int64_t ldw,
+                        float *Y, int64_t ldy);
+
+#endif
