@@ -355,6 +355,15 @@ cdef bint _is_f32(str fmt):
     return False
 
 
+def _refuse_dtype(what, name, dname):
+    extra = ""
+    if dname in ("bfloat16", "float16"):
+        extra = " (reduced-precision profiles are not supported)"
+    elif dname == "float64":
+        extra = " (refused rather than silently rounded to float32)"
+    raise TypeError(f"mamba {what}: {name} has dtype {dname}; only float32 is accepted" + extra)
+
+
 def intake(obj, str what, str name, bint writable=False):
     """`obj` as a C-contiguous float32 host Array.
 
@@ -372,6 +381,8 @@ def intake(obj, str what, str name, bint writable=False):
     try:
         PyObject_GetBuffer(obj, &probe, PyBUF_FORMAT | PyBUF_STRIDES)
     except (TypeError, BufferError):
+        if getattr(obj, "dtype", None) is not None and _dtype_name(obj, "") != "float32":
+            _refuse_dtype(what, name, _dtype_name(obj, ""))
         if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
             from . import _backends as backends
             return backends.intake_foreign(obj, what, name)
@@ -386,14 +397,7 @@ def intake(obj, str what, str name, bint writable=False):
     cdef bint contiguous = PyBuffer_IsContiguous(&probe, b'C')
     PyBuffer_Release(&probe)
     if not _is_f32(fmt) or probe.itemsize != 4:
-        dname = _dtype_name(obj, fmt)
-        extra = ""
-        if dname in ("bfloat16", "float16"):
-            extra = " (reduced-precision profiles are not supported)"
-        elif dname == "float64":
-            extra = " (refused rather than silently rounded to float32)"
-        raise TypeError(f"mamba {what}: {name} has dtype {dname}; only float32 is accepted"
-                        + extra)
+        _refuse_dtype(what, name, _dtype_name(obj, fmt))
     if writable:
         if ro:
             raise ValueError(f"mamba {what}: {name} must be writable (it is updated in place)")

@@ -20,6 +20,14 @@
 #define MB_FN static inline
 #endif
 
+/* The build already forbids contraction (SPEC 4.2); under clang (HIP, host clang)
+ * each function also says so itself, so the bits survive a caller's flags. */
+#if defined(__clang__)
+#define MB_NOCONTRACT _Pragma("clang fp contract(off)")
+#else
+#define MB_NOCONTRACT
+#endif
+
 #define MB_PI 3.1415927410125732421875f    /* bits 0x40490FDB */
 #define MB_TWO_PI 6.283185482025146484375f /* bits 0x40C90FDB */
 #define MB_DOT_LEAF 8192
@@ -65,12 +73,17 @@ MB_FN float mb_clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi
 
 MB_FN float mb_sqrt(float x) { return sqrtf(x); }
 
-MB_FN float mb_rsqrt(float x) { return 1.0f / sqrtf(x); }
+MB_FN float mb_rsqrt(float x)
+{
+    MB_NOCONTRACT
+    return 1.0f / sqrtf(x);
+}
 
 /* Cephes expf. The input is clamped before the integer conversion so that it stays
  * defined for every x (NaN included); the selects afterwards apply the thresholds. */
 MB_FN float mb_exp(float x)
 {
+    MB_NOCONTRACT
     const float hi = 88.72283935546875f, lo = -87.33654022216797f;
     float xc = x > lo ? x : lo;
     xc = xc < hi ? xc : hi;
@@ -102,6 +115,7 @@ MB_FN float mb_exp(float x)
  * The exponent terms are skipped when e == 0, as in Cephes; that keeps -0 -> -0. */
 MB_FN float mb_logcore_(float t, int32_t e)
 {
+    MB_NOCONTRACT
     float fe = (float)e;
     float z = t * t;
     float p = 7.0376836292e-2f;
@@ -124,6 +138,7 @@ MB_FN float mb_logcore_(float t, int32_t e)
  * which is then 0 or normal, so the bitwise frexp below is exact. */
 MB_FN float mb_log1p(float x)
 {
+    MB_NOCONTRACT
     int near0 = (x >= -0.292893230915069580078125f) & (x <= 0.4142135679721832275390625f);
     uint32_t ub = mb_f2u_(1.0f + x);
     int32_t e = (int32_t)((ub >> 23) & 0xffu) - 126;
@@ -140,17 +155,30 @@ MB_FN float mb_log1p(float x)
     return mb_sel_(x == x, r, x);
 }
 
-MB_FN float mb_softplus(float x) { return mb_sel_(x <= 20.0f, mb_log1p(mb_exp(x)), x); }
+MB_FN float mb_softplus(float x)
+{
+    MB_NOCONTRACT
+    return mb_sel_(x <= 20.0f, mb_log1p(mb_exp(x)), x);
+}
 
-MB_FN float mb_sigmoid(float x) { return 1.0f / (1.0f + mb_exp(-x)); }
+MB_FN float mb_sigmoid(float x)
+{
+    MB_NOCONTRACT
+    return 1.0f / (1.0f + mb_exp(-x));
+}
 
-MB_FN float mb_silu(float x) { return x / (1.0f + mb_exp(-x)); }
+MB_FN float mb_silu(float x)
+{
+    MB_NOCONTRACT
+    return x / (1.0f + mb_exp(-x));
+}
 
 /* Cephes tanhf, evaluated on |x| with the sign restored: the same bits as Cephes'
  * signed evaluation for x != 0 (round-to-nearest is symmetric), and tanh(-0) = -0.
  * 2 * 44.361419677734375 is exactly exp's overflow threshold. */
 MB_FN float mb_tanh(float x)
 {
+    MB_NOCONTRACT
     uint32_t sx = mb_f2u_(x) & 0x80000000u;
     float ax = mb_u2f_(mb_f2u_(x) ^ sx);
     float big = 1.0f - 2.0f / (mb_exp(ax + ax) + 1.0f);
@@ -171,6 +199,7 @@ MB_FN float mb_tanh(float x)
  * precision); +-inf and NaN give NaN. */
 MB_FN float mb_trig_(float x, int cosine)
 {
+    MB_NOCONTRACT
     uint32_t sx = mb_f2u_(x) & 0x80000000u;
     float ax = mb_u2f_(mb_f2u_(x) ^ sx);
     int ok = ax <= 16777215.0f;
@@ -209,11 +238,16 @@ MB_FN float mb_cos(float x) { return mb_trig_(x, 1); }
 
 /* The result lies in [0, TWO_PI] up to one rounding of the quotient: it may equal
  * TWO_PI or be a tiny negative number, both fine for mb_sin/mb_cos. */
-MB_FN float mb_mod2pi(float x) { return fmaf(-MB_TWO_PI, floorf(x / MB_TWO_PI), x); }
+MB_FN float mb_mod2pi(float x)
+{
+    MB_NOCONTRACT
+    return fmaf(-MB_TWO_PI, floorf(x / MB_TWO_PI), x);
+}
 
 /* dot v1 (SPEC 4.4): a serial fma chain seeded with +0 over each leaf of 8192. */
 MB_FN float mb_dot_chain_(int64_t n, const float *a, int64_t sa, const float *b, int64_t sb)
 {
+    MB_NOCONTRACT
     float acc = 0.0f;
     for (int64_t i = 0; i < n; i++)
         acc = fmaf(a[i * sa], b[i * sb], acc);
@@ -229,6 +263,7 @@ MB_FN float mb_dot_chain_(int64_t n, const float *a, int64_t sa, const float *b,
  * blocks; folding the stack from the top builds the same right-nested sum. */
 MB_FN float mb_dot(int64_t k, const float *a, int64_t sa, const float *b, int64_t sb)
 {
+    MB_NOCONTRACT
     if (k <= MB_DOT_LEAF)
         return mb_dot_chain_(k, a, sa, b, sb);
     float part[64];
