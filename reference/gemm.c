@@ -199,30 +199,41 @@ typedef struct {
 } gemv_arg;
 
 #ifdef MB_SIMD
-/* M is a constant here so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void gemv_leaf_m(const gemv_arg *a, int mm, int64_t k0,
+/* Columns kk..kk+n of 8 rows of W, transposed, into the M chains of those rows. */
+static inline __attribute__((always_inline)) void gemv_step(const gemv_arg *a, int mm, const float *const *w,
+                                                            int64_t kk, int n, __m256 *acc)
+{
+    __m256 v[8];
+    if (n == 8) load_tr8(w, kk, v);
+    else load_tr8_tail(w, kk, n, v);
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < mm; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(a->x[i] + kk + j), v[j], acc[i]);
+}
+
+/* mm (rows of X) and nb (8-row blocks of W in flight) are constants here so the
+ * mm*nb accumulators stay in registers; mm*nb = 4 independent chains. */
+static inline __attribute__((always_inline)) void gemv_leaf_m(const gemv_arg *a, int mm, int nb, int64_t k0,
                                                               int64_t kl, float *t)
 {
-    __m256 acc[GM][GR / 8], v[8];
-    for (int i = 0; i < mm; i++)
-        for (int b = 0; b < GR / 8; b++) acc[i][b] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= kl; k += 8)
-        for (int b = 0; b < GR / 8; b++) {
-            load_tr8(a->w + 8 * b, k0 + k, v);
-            for (int j = 0; j < 8; j++)
-                for (int i = 0; i < mm; i++)
-                    acc[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(a->x[i] + k0 + k + j), v[j], acc[i][b]);
-        }
-    if (k < kl)
-        for (int b = 0; b < GR / 8; b++) {
-            load_tr8_tail(a->w + 8 * b, k0 + k, (int)(kl - k), v);
-            for (int j = 0; j < kl - k; j++)
-                for (int i = 0; i < mm; i++)
-                    acc[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(a->x[i] + k0 + k + j), v[j], acc[i][b]);
-        }
-    for (int i = 0; i < mm; i++)
-        for (int b = 0; b < GR / 8; b++) _mm256_storeu_ps(t + i * GR + 8 * b, acc[i][b]);
+    for (int b0 = 0; b0 < GR / 8; b0 += nb) {
+        __m256 acc[4][GM];
+        for (int b = 0; b < nb; b++)
+            for (int i = 0; i < mm; i++) acc[b][i] = _mm256_setzero_ps();
+        int64_t k = k0;
+        /* Whole 64-byte lines of each row per step: rows 4 KiB apart share L1 sets,
+         * and a line left half-read would be evicted and fetched twice. */
+        for (; k + 16 <= k0 + kl; k += 16)
+            for (int b = 0; b < nb; b++) {
+                gemv_step(a, mm, a->w + 8 * (b0 + b), k, 8, acc[b]);
+                gemv_step(a, mm, a->w + 8 * (b0 + b), k + 8, 8, acc[b]);
+            }
+        for (; k < k0 + kl; k += 8)
+            for (int b = 0; b < nb; b++)
+                gemv_step(a, mm, a->w + 8 * (b0 + b), k, k0 + kl - k < 8 ? (int)(k0 + kl - k) : 8, acc[b]);
+        for (int b = 0; b < nb; b++)
+            for (int i = 0; i < mm; i++) _mm256_storeu_ps(t + i * GR + 8 * (b0 + b), acc[b][i]);
+    }
 }
 #endif
 
@@ -231,10 +242,10 @@ static void gemv_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
     const gemv_arg *a = arg;
 #ifdef MB_SIMD
     switch (a->m) {
-    case 1: gemv_leaf_m(a, 1, k0, kl, t); return;
-    case 2: gemv_leaf_m(a, 2, k0, kl, t); return;
-    case 3: gemv_leaf_m(a, 3, k0, kl, t); return;
-    default: gemv_leaf_m(a, 4, k0, kl, t); return;
+    case 1: gemv_leaf_m(a, 1, NB1, k0, kl, t); return;
+    case 2: gemv_leaf_m(a, 2, NB2, k0, kl, t); return;
+    case 3: gemv_leaf_m(a, 3, NB3, k0, kl, t); return;
+    default: gemv_leaf_m(a, 4, NB4, k0, kl, t); return;
     }
 #else
     for (int i = 0; i < a->m * GR; i++) t[i] = 0.0f;

@@ -1,0 +1,471 @@
+/* Mamba-3 SISO block, profile identical.mamba3.siso.fp32.v1 (SPEC section 7).
+ *
+ * Per (row, head) the tokens are processed in segments that lie inside one chunk of
+ * the absolute grid. The state buffers are the working memory: each token's rotated
+ * q and k, v, dt, sig and A*dt are written to its chunk row, the outputs of the new
+ * rows are computed from the buffer, and a full chunk is folded into h only when
+ * the first token of the next chunk arrives (its dt and sig complete the trapezoid
+ * of the chunk's last row). Prefill, split prefill and decode therefore run the
+ * same arithmetic on the same rows. */
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "mamba_ref.h"
+#include "numerics.h"
+#include "gemm.h"
+#include "ops.h"
+#include "fpenv.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MB_SIMD 1
+#endif
+
+#define NQK MB_M3_N   /* q/k head dimension */
+#define PV MB_M3_P    /* v head dimension */
+#define NA MB_M3_R    /* rotary angles */
+#define QCAP MB_M3_Q  /* buffer rows */
+#ifdef MB_SABOTAGE_CHUNK32
+#define CQ 32
+#else
+#define CQ MB_M3_Q    /* chunk size: part of the arithmetic */
+#endif
+#define A_FLOOR 1e-4f
+
+/* Per-thread scratch, in floats. */
+enum {
+    S_HT = 0,                   /* h^T (NQK, PV) of the working chunk */
+    S_KST = S_HT + NQK * PV,    /* scaled k^T (NQK, QCAP): operand of q.k^T */
+    S_KS = S_KST + NQK * QCAP,  /* scaled k (QCAP, NQK): operand of the fold */
+    S_ST = S_KS + QCAP * NQK,   /* fold result (NQK, PV) */
+    S_VD = S_ST + NQK * PV,     /* decayed v (QCAP, PV) */
+    S_G = S_VD + QCAP * PV,     /* q.k^T (QCAP, QCAP) */
+    S_MM = S_G + QCAP * QCAP,   /* (q.k^T) * Lm */
+    S_YS = S_MM + QCAP * QCAP,  /* q.h^T (QCAP, PV) */
+    S_YI = S_YS + QCAP * PV,    /* intra-chunk output (QCAP, PV) */
+    S_CS = S_YI + QCAP * PV,    /* dA_cs */
+    S_SEG = S_CS + QCAP,        /* one row of seg */
+    S_QKG = S_SEG + QCAP,       /* qk_gamma per row */
+    S_Q = S_QKG + QCAP,         /* unrotated q, k of one token */
+    S_K = S_Q + NQK,
+    S_TOTAL = S_K + NQK
+};
+
+typedef struct {
+    const mb_m3_weights *w;
+    const mb_m3_state *st;
+    const mb_m3_reports *rep;
+    int64_t H, di, dip, nb0;
+    int pending;
+    const float *zx;               /* (M, dip) in_proj output of the packed tokens */
+    const float *Bn, *Cn;          /* (M, NQK) normed B and C, before the biases */
+    const float *dt, *sig, *adt;   /* (M, H) */
+    const float *ta;               /* (M, NA) tanh(angle) * PI */
+    float *yg;                     /* (M, di) gated mixer output */
+} m3_ctx;
+
+/* One head of one row: views of its buffer rows (row j at base + j * stride). */
+typedef struct {
+    float *q, *k, *v, *dt, *sig, *adt;
+    int64_t qs, vs, ss;
+} m3_head;
+
+/* C[m*ldc + n] = dot v1 over k < K0 + m*dK of A[m*sam + k*sak] and B[k*ldb + n], for
+ * m < M and n < N (N a multiple of 16). Chains are per output and ascending in k, so
+ * the SIMD and the scalar loops give the same bits; rows of a causal product
+ * (dK = 1) share the common prefix of k and finish their chains one by one. */
+static void mm_bcast(int64_t M, int64_t N, int64_t K0, int64_t dK,
+                     const float *A, int64_t sam, int64_t sak,
+                     const float *B, int64_t ldb, float *C, int64_t ldc)
+{
+#ifdef MB_SIMD
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+        const float *a0 = A + m * sam, *a1 = a0 + sam, *a2 = a1 + sam, *a3 = a2 + sam;
+        const int64_t kc = K0 + m * dK; /* K of the tile's first row, the shortest */
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            const float *b = B + n0;
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
+            __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00, v;
+            for (int64_t k = 0; k < kc; k++) {
+                __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+                v = _mm256_broadcast_ss(a0 + k * sak);
+                c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
+                v = _mm256_broadcast_ss(a1 + k * sak);
+                c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
+                v = _mm256_broadcast_ss(a2 + k * sak);
+                c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
+                v = _mm256_broadcast_ss(a3 + k * sak);
+                c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
+            }
+#define MB_TAIL(a, ca0, ca1, r)                                                           \
+            for (int64_t k = kc; k < kc + (r) * dK; k++) {                                \
+                v = _mm256_broadcast_ss(a + k * sak);                                     \
+                ca0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb), ca0);              \
+                ca1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb + 8), ca1);          \
+            }
+            MB_TAIL(a1, c10, c11, 1)
+            MB_TAIL(a2, c20, c21, 2)
+            MB_TAIL(a3, c30, c31, 3)
+#undef MB_TAIL
+            float *c = C + m * ldc + n0;
+            _mm256_storeu_ps(c, c00); _mm256_storeu_ps(c + 8, c01);
+            _mm256_storeu_ps(c + ldc, c10); _mm256_storeu_ps(c + ldc + 8, c11);
+            _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
+            _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
+        }
+    }
+    for (; m < M; m++) {
+        const float *a = A + m * sam;
+        const int64_t K = K0 + m * dK;
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+            const float *b = B + n0;
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0;
+            for (int64_t k = 0; k < K; k++) {
+                __m256 v = _mm256_broadcast_ss(a + k * sak);
+                c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb), c0);
+                c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb + 8), c1);
+            }
+            _mm256_storeu_ps(C + m * ldc + n0, c0);
+            _mm256_storeu_ps(C + m * ldc + n0 + 8, c1);
+        }
+    }
+#else
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t K = K0 + m * dK;
+        for (int64_t n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++)
+                acc = fmaf(A[m * sam + k * sak], B[k * ldb + n], acc);
+            C[m * ldc + n] = acc;
+        }
+    }
+#endif
+}
+
+/* The shifted trapezoid term dt * (1 - sig) of the token after a row. */
+static inline float beta_of(float dt, float sig)
+{
+#ifdef MB_SABOTAGE_NO_SHIFT
+    (void)dt;
+    (void)sig;
+    return 0.0f;
+#else
+    return dt * (1.0f - sig);
+#endif
+}
+
+/* scale_j = gamma_j + beta_j of buffer row j, the next row's dt and sig giving beta. */
+static inline float scale_of(const m3_head *hv, int64_t j)
+{
+    return hv->dt[j * hv->ss] * hv->sig[j * hv->ss]
+        + beta_of(hv->dt[(j + 1) * hv->ss], hv->sig[(j + 1) * hv->ss]);
+}
+
+/* Serial inclusive cumsum of A*dt over buffer rows [0, n), seeded +0. */
+static void cumsum_adt(const m3_head *hv, int64_t n, float *cs)
+{
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        acc = acc + hv->adt[i * hv->ss];
+        cs[i] = acc;
+    }
+}
+
+/* out = h folded over buffer rows [0, n), the last row's beta given:
+ * out = fma(exp(cs_last), h, (v * exp(cs_last - cs_j))^T . (k_j * scale_j)).
+ * hT and out are (NQK, PV) and may alias. */
+static void fold(const m3_head *hv, int64_t n, float beta_last, const float *hT, float *out,
+                 float *s)
+{
+    float *cs = s + S_CS, *ks = s + S_KS, *vd = s + S_VD, *ST = s + S_ST;
+    cumsum_adt(hv, n, cs);
+    const float cl = cs[n - 1];
+    for (int64_t j = 0; j < n; j++) {
+        const float sc = j + 1 < n ? scale_of(hv, j)
+                                   : hv->dt[j * hv->ss] * hv->sig[j * hv->ss] + beta_last;
+        const float *kr = hv->k + j * hv->qs, *vr = hv->v + j * hv->vs;
+        float *kd = ks + j * NQK, *vo = vd + j * PV;
+        for (int i = 0; i < NQK; i++)
+            kd[i] = kr[i] * sc;
+        const float dec = mb_exp(cl - cs[j]);
+        for (int p = 0; p < PV; p++)
+            vo[p] = vr[p] * dec;
+    }
+    mm_bcast(NQK, PV, n, 0, ks, 1, NQK, vd, PV, ST, PV);
+    const float e = mb_exp(cl);
+    for (int i = 0; i < NQK * PV; i++)
+        out[i] = fmaf(e, hT[i], ST[i]);
+}
+
+/* Token tok (packed index) of head h into buffer row i: the angle step, the biased
+ * and rotated q and k, v, dt, sig, A*dt and qk_gamma. */
+static void put_row(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok, int64_t i,
+                    float *theta, float *s)
+{
+    const int64_t H = c->H;
+    const float dt = c->dt[tok * H + h], sg = c->sig[tok * H + h];
+    const float *ta = c->ta + tok * NA;
+    float cs[NA], sn[NA];
+    for (int r = 0; r < NA; r++) {
+#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
+        theta[r] = theta[r] + ta[r] * dt;
+#else
+        theta[r] = mb_mod2pi(theta[r] + ta[r] * dt);
+#endif
+        cs[r] = mb_cos(theta[r]);
+        sn[r] = mb_sin(theta[r]);
+    }
+    float *q = s + S_Q, *k = s + S_K;
+    const float *Cn = c->Cn + tok * NQK, *Bn = c->Bn + tok * NQK;
+    const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
+    for (int n = 0; n < NQK; n++) {
+        q[n] = Cn[n] + Cb[n];
+        k[n] = Bn[n] + Bb[n];
+    }
+    s[S_QKG + i] = mb_dot(NQK, q, 1, k, 1) * (dt * sg);
+    float *qo = hv->q + i * hv->qs, *ko = hv->k + i * hv->qs;
+    for (int r = 0; r < NA; r++) {
+        const float q0 = q[2 * r], q1 = q[2 * r + 1], k0 = k[2 * r], k1 = k[2 * r + 1];
+        qo[2 * r] = (q0 * cs[r]) - (q1 * sn[r]);
+        qo[2 * r + 1] = (q0 * sn[r]) + (q1 * cs[r]);
+        ko[2 * r] = (k0 * cs[r]) - (k1 * sn[r]);
+        ko[2 * r + 1] = (k0 * sn[r]) + (k1 * cs[r]);
+    }
+    memcpy(qo + 2 * NA, q + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+    memcpy(ko + 2 * NA, k + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+    memcpy(hv->v + i * hv->vs, c->zx + tok * c->dip + c->di + h * PV, PV * sizeof(float));
+    hv->dt[i * hv->ss] = dt;
+    hv->sig[i * hv->ss] = sg;
+    hv->adt[i * hv->ss] = c->adt[tok * H + h];
+}
+
+#define UP16(n) (((n) + 15) & ~(int64_t)15)
+
+/* Outputs of buffer rows [r0, r1) (rows [0, r1) filled), token r0 at packed index
+ * tok0, h entering the chunk in hT:
+ * y = (q.h^T) * exp(cs_i) + ((q.ks^T) * Lm) . v  (strictly causal),
+ * y = y + (D + qk_gamma) * v, y = y * silu(z). */
+static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0, int64_t r1,
+                      int64_t tok0, const float *hT, float *s)
+{
+    float *cs = s + S_CS, *kst = s + S_KST, *G = s + S_G, *Mm = s + S_MM;
+    float *Ys = s + S_YS, *Yi = s + S_YI, *seg = s + S_SEG;
+    cumsum_adt(hv, r1, cs);
+    mm_bcast(r1 - r0, PV, NQK, 0, hv->q + r0 * hv->qs, hv->qs, 1, hT, PV, Ys + r0 * PV, PV);
+
+    /* q_i . ks_j for j < i: ks^T over the columns j < r1 - 1 (scales known), padded */
+    const int64_t nj = r1 - 1;
+    if (nj > 0) {
+        const int64_t pad = UP16(nj);
+        for (int64_t j = 0; j < nj; j++) {
+            const float sc = scale_of(hv, j);
+            const float *kr = hv->k + j * hv->qs;
+            for (int n = 0; n < NQK; n++)
+                kst[n * QCAP + j] = kr[n] * sc;
+        }
+        for (int n = 0; n < NQK; n++)
+            for (int64_t j = nj; j < pad; j++)
+                kst[n * QCAP + j] = 0.0f;
+        for (int64_t a = r0 > 1 ? r0 : 1; a < r1; a += 16) {
+            const int64_t b = a + 16 < r1 ? a + 16 : r1;
+            mm_bcast(b - a, UP16(b - 1), NQK, 0, hv->q + a * hv->qs, hv->qs, 1, kst, QCAP,
+                     G + a * QCAP, QCAP);
+        }
+    }
+    /* seg[i][j] = serial sum of adt[j+1..i] from +0, one row at a time */
+    for (int64_t i = 1; i < r1; i++) {
+        const float a = hv->adt[i * hv->ss];
+        seg[i - 1] = 0.0f;
+        for (int64_t j = 0; j < i; j++)
+            seg[j] = seg[j] + a;
+        if (i >= r0)
+            for (int64_t j = 0; j < i; j++)
+                Mm[i * QCAP + j] = G[i * QCAP + j] * mb_exp(seg[j]);
+    }
+    mm_bcast(r1 - r0, PV, r0, 1, Mm + r0 * QCAP, QCAP, 1, hv->v, hv->vs, Yi + r0 * PV, PV);
+
+    const float Dh = c->w->D[h];
+    for (int64_t i = r0; i < r1; i++) {
+        const int64_t tok = tok0 + (i - r0);
+        const float e = mb_exp(cs[i]), dq = Dh + s[S_QKG + i];
+        const float *z = c->zx + tok * c->dip + h * PV, *v = hv->v + i * hv->vs;
+        const float *ys = Ys + i * PV, *yi = Yi + i * PV;
+        float *yo = c->yg + tok * c->di + h * PV;
+        for (int p = 0; p < PV; p++) {
+            float y = ys[p] * e + yi[p];
+            y = y + dq * v[p];
+            yo[p] = y * mb_silu(z[p]);
+        }
+    }
+}
+
+/* Row b, head h over its len tokens starting at packed index tok0. */
+static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_t len, float *s)
+{
+    const mb_m3_state *st = c->st;
+    const int64_t H = c->H;
+    m3_head hv = {
+        st->buffer_qrot + (b * QCAP * H + h) * NQK, st->buffer_krot + (b * QCAP * H + h) * NQK,
+        st->buffer_v + (b * QCAP * H + h) * PV, st->buffer_dt + b * QCAP * H + h,
+        st->buffer_sig + b * QCAP * H + h, st->buffer_adt + b * QCAP * H + h,
+        H * NQK, H * PV, H,
+    };
+    float *theta = st->theta + (b * H + h) * NA, *hs = st->h + (b * H + h) * PV * NQK;
+    float *hT = s + S_HT;
+    for (int p = 0; p < PV; p++)
+        for (int n = 0; n < NQK; n++)
+            hT[n * PV + p] = hs[p * NQK + n];
+    if (c->pending) {
+        /* upstream Input_States: h0 = h + (v_st * k_st) * (dt_1 * (1 - sig_1)) */
+        float *pk = st->pending_k + (b * H + h) * NQK, *pv = st->pending_v + (b * H + h) * PV;
+        const float w1 = c->dt[tok0 * H + h] * (1.0f - c->sig[tok0 * H + h]);
+        for (int n = 0; n < NQK; n++)
+            for (int p = 0; p < PV; p++)
+                hT[n * PV + p] = hT[n * PV + p] + (pv[p] * pk[n]) * w1;
+        memset(pk, 0, NQK * sizeof(float));
+        memset(pv, 0, PV * sizeof(float));
+    }
+    int64_t nb = c->nb0;
+    for (int64_t t = 0; t < len;) {
+        if (nb == CQ) {
+            const int64_t tok = tok0 + t;
+            fold(&hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]), hT, hT, s);
+            nb = 0;
+        }
+        const int64_t n = len - t < CQ - nb ? len - t : CQ - nb;
+        for (int64_t i = 0; i < n; i++)
+            put_row(c, &hv, h, tok0 + t + i, nb + i, theta, s);
+#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
+        for (int r = 0; r < NA; r++)
+            theta[r] = mb_mod2pi(theta[r]);
+#endif
+        chunk_out(c, &hv, h, nb, nb + n, tok0 + t, hT, s);
+        nb += n;
+        t += n;
+    }
+    for (int p = 0; p < PV; p++)
+        for (int n = 0; n < NQK; n++)
+            hs[p * NQK + n] = hT[n * PV + p];
+
+    const mb_m3_reports *rep = c->rep;
+    if (!rep)
+        return;
+    const int64_t bh = b * H + h;
+    if (rep->h_last) {
+        /* the working chunk closed as if the sequence ended: the last row's beta is +0 */
+        float *hl = s + S_ST;
+        fold(&hv, nb, 0.0f, hT, hl, s);
+        float *o = rep->h_last + bh * PV * NQK;
+        for (int p = 0; p < PV; p++)
+            for (int n = 0; n < NQK; n++)
+                o[p * NQK + n] = hl[n * PV + p];
+    }
+    if (rep->k_last)
+        memcpy(rep->k_last + bh * NQK, hv.k + (nb - 1) * hv.qs, NQK * sizeof(float));
+    if (rep->v_last)
+        memcpy(rep->v_last + bh * PV, hv.v + (nb - 1) * hv.vs, PV * sizeof(float));
+    if (rep->theta_last)
+        memcpy(rep->theta_last + bh * NA, theta, NA * sizeof(float));
+}
+
+int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
+    const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
+    const int64_t oB = 2 * di, oC = oB + NQK, oDT = oC + NQK, oA = oDT + H, oTR = oA + H;
+    const int64_t oANG = oTR + H;
+    int nth = 1;
+#ifdef _OPENMP
+    nth = omp_get_max_threads();
+#endif
+    int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
+    float *scr = malloc((size_t)nth * S_TOTAL * sizeof(float));
+    if (!off || !scr) {
+        free(off);
+        free(scr);
+        return MB_ENOMEM;
+    }
+    const int64_t M = mb_row_offsets(B, L, lengths, off);
+    /* xn/out (M dm), zx (M dip), Bn, Cn (M NQK), dt, sig, adt (M H), ta (M NA),
+     * yg (M di), and the packed input and output when the batch is ragged */
+    const int64_t ragged = lengths ? 2 * M * dm : 0;
+    float *buf = malloc((size_t)(M * (dm + dip + 2 * NQK + 3 * H + NA + di) + ragged)
+                        * sizeof(float));
+    if (!buf) {
+        free(off);
+        free(scr);
+        return MB_ENOMEM;
+    }
+    float *xn = buf, *zx = xn + M * dm, *Bn = zx + M * dip, *Cn = Bn + M * NQK;
+    float *dt = Cn + M * NQK, *sig = dt + M * H, *adt = sig + M * H, *ta = adt + M * H;
+    float *yg = ta + M * NA;
+    const float *xs = x;
+    float *ys = y;
+    if (lengths) {
+        float *xp = yg + M * di;
+        mb_pack_rows(B, L, dm, off, x, xp);
+        xs = xp;
+        ys = xp + M * dm;
+    }
+
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
+    MB_ISA_FN(mb_gemm)(M, dip, dm, xn, dm, w->in_proj, dm, zx, dip);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oB, dip, w->B_norm_w, Bn, NQK);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oC, dip, w->C_norm_w, Cn, NQK);
+
+    #pragma omp parallel if (M * H > (1 << 12))
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const float *r = zx + m * dip;
+            for (int64_t hh = 0; hh < H; hh++) {
+                const float dA = r[oA + hh];
+                /* upstream main's heavy-tail A, floored at -1e-4 */
+                float A = -mb_sel_(dA >= 0.0f, 1.0f + dA, 1.0f / (1.0f - dA));
+                A = A > -A_FLOOR ? -A_FLOOR : A;
+                const float d = mb_softplus(r[oDT + hh] + w->dt_bias[hh]);
+                dt[m * H + hh] = d;
+                adt[m * H + hh] = A * d;
+                sig[m * H + hh] = mb_sigmoid(r[oTR + hh]);
+            }
+            for (int a = 0; a < NA; a++)
+                ta[m * NA + a] = mb_tanh(r[oANG + a]) * MB_PI;
+        }
+        mb_fpenv_exit(env);
+    }
+
+    m3_ctx c = {w, st, rep, H, di, dip, st->buffered_tokens, st->pending,
+                zx, Bn, Cn, dt, sig, adt, ta, yg};
+    #pragma omp parallel if (B * H > 1 && M * H > 64)
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *s = scr + (int64_t)tid * S_TOTAL;
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * H; task++) {
+            const int64_t b = task / H, hh = task % H;
+            run_head(&c, b, hh, off[b], off[b + 1] - off[b], s);
+        }
+        mb_fpenv_exit(env);
+    }
+
+    MB_ISA_FN(mb_gemm)(M, dm, di, yg, di, w->out_proj, di, xn, dm);
+    for (int64_t i = 0; i < M * dm; i++)
+        ys[i] = xs[i] + xn[i];
+    if (lengths)
+        mb_unpack_rows(B, L, dm, off, ys, y);
+    else
+        st->buffered_tokens = (st->buffered_tokens + L - 1) % CQ + 1;
+    st->pending = 0;
+    free(buf);
+    free(scr);
+    free(off);
+    return MB_OK;
+}
