@@ -1,10 +1,17 @@
 """mamba-blocks: Mamba-1, Mamba-2 and Mamba-3 blocks whose float32 results are
 bit-identical on the CPU and on GPUs, across batch composition, and between one
 prefill and any split of it into prefill and decode steps."""
-from ._core import Array, empty, zeros
+try:
+    from ._core import Array, empty, zeros
+except ImportError as e:  # the source checkout shadows the installed package
+    raise ImportError("mamba: the compiled core is missing. If you are inside the source "
+                      "checkout, run from another directory (or use the `mamba-blocks` "
+                      "command); otherwise reinstall with `pip install .`") from e
 from ._backends import backends
 from .blocks import DecodeSession
 from .block1 import Mamba1Block, Mamba1State
+from .block2 import Mamba2Block, Mamba2State
+from .block3 import Mamba3Block, Mamba3State
 from ._weights import random_weights
 from . import lowbit
 
@@ -19,4 +26,5 @@ def asarray(obj, shape=None):
 
 
 __all__ = ["Array", "empty", "zeros", "asarray", "backends", "DecodeSession",
-           "Mamba1Block", "Mamba1State", "random_weights", "lowbit"]
+           "Mamba1Block", "Mamba1State", "Mamba2Block", "Mamba2State", "Mamba3Block", "Mamba3State",
+           "random_weights", "lowbit"]

@@ -29,6 +29,14 @@ class CpuBackend:
     def m1_forward(self, w, d_model, x, pieces, y, lengths):
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
+    def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, h_last, lengths):
+        return _core.m2_forward(w, d_model, dt_limit[0], dt_limit[1], x, tuple(pieces),
+                                buffered_tokens, y, h_last, lengths)
+
+    def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
+        return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,
+                                reports, lengths)
+
 
 _CPU = CpuBackend()
 

@@ -41,6 +41,59 @@ cdef extern from "mamba_ref.h" nogil:
         float *h
     int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                       const float *x, const mb_m1_state *state, float *y)
+    ctypedef struct mb_m2_weights:
+        int64_t d_model
+        const float *block_norm_w
+        const float *in_proj
+        const float *conv_w
+        const float *conv_b
+        const float *dt_bias
+        const float *A_log
+        const float *D
+        const float *norm_w
+        const float *out_proj
+        float dt_lo
+        float dt_hi
+    ctypedef struct mb_m2_state:
+        float *conv_window
+        float *h
+        float *buffer_xbc
+        float *buffer_dtraw
+        int64_t *buffered_tokens
+    int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                      const float *x, const mb_m2_state *state, float *y, float *h_last)
+    ctypedef struct mb_m3_weights:
+        int64_t d_model
+        const float *norm_w
+        const float *in_proj
+        const float *dt_bias
+        const float *B_norm_w
+        const float *C_norm_w
+        const float *B_bias
+        const float *C_bias
+        const float *D
+        const float *out_proj
+    ctypedef struct mb_m3_state:
+        float *theta
+        float *h
+        float *buffer_qrot
+        float *buffer_krot
+        float *buffer_v
+        float *buffer_dt
+        float *buffer_sig
+        float *buffer_adt
+        float *pending_k
+        float *pending_v
+        int64_t buffered_tokens
+        int pending
+    ctypedef struct mb_m3_reports:
+        float *h_last
+        float *k_last
+        float *v_last
+        float *theta_last
+    int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                      const float *x, mb_m3_state *state, float *y,
+                      const mb_m3_reports *reports)
     void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                  const float *W, int64_t ldw, float *Y, int64_t ldy)
     int mb_math_eval(int which, int64_t n, const float *x, float *y)
@@ -499,6 +552,76 @@ def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Ar
         rc = mb_m1_forward(&wt, B, L, lp, xp, &st, yp)
     free(lp)
     _check_rc(rc)
+
+
+def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tuple p,
+               int64_t buffered_tokens, Array y, Array h_last, lengths=None):
+    """Run mb_m2_forward (every row starts from buffered_tokens); returns each row's new
+    buffered_tokens as a tuple."""
+    cdef mb_m2_weights wt
+    wt.d_model = d_model
+    wt.block_norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
+    wt.conv_b = _cp(w[3]); wt.dt_bias = _cp(w[4]); wt.A_log = _cp(w[5]); wt.D = _cp(w[6])
+    wt.norm_w = _cp(w[7]); wt.out_proj = _cp(w[8])
+    wt.dt_lo = dt_lo
+    wt.dt_hi = dt_hi
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int64_t *counts = <int64_t *>malloc(B * sizeof(int64_t))
+    if counts == NULL:
+        raise MemoryError()
+    for i in range(B):
+        counts[i] = buffered_tokens
+    cdef mb_m2_state st
+    st.conv_window = _mp(p[0]); st.h = _mp(p[1]); st.buffer_xbc = _mp(p[2])
+    st.buffer_dtraw = _mp(p[3])
+    st.buffered_tokens = counts
+    cdef int64_t *lp
+    try:
+        lp = _lengths(lengths, B)
+    except BaseException:
+        free(counts)
+        raise
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef float *yp = _mp(y)
+    cdef float *hp = _mp(h_last) if h_last is not None else NULL
+    with nogil:
+        rc = mb_m2_forward(&wt, B, L, lp, xp, &st, yp, hp)
+    free(lp)
+    out = tuple(counts[i] for i in range(B))
+    free(counts)
+    _check_rc(rc)
+    return out
+
+
+def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_tokens,
+               bint pending, Array y, tuple reports, lengths=None):
+    """Run mb_m3_forward; returns the new buffered_tokens."""
+    cdef mb_m3_weights wt
+    wt.d_model = d_model
+    wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.dt_bias = _cp(w[2])
+    wt.B_norm_w = _cp(w[3]); wt.C_norm_w = _cp(w[4]); wt.B_bias = _cp(w[5])
+    wt.C_bias = _cp(w[6]); wt.D = _cp(w[7]); wt.out_proj = _cp(w[8])
+    cdef mb_m3_state st
+    st.theta = _mp(p[0]); st.h = _mp(p[1]); st.buffer_qrot = _mp(p[2])
+    st.buffer_krot = _mp(p[3]); st.buffer_v = _mp(p[4]); st.buffer_dt = _mp(p[5])
+    st.buffer_sig = _mp(p[6]); st.buffer_adt = _mp(p[7]); st.pending_k = _mp(p[8])
+    st.pending_v = _mp(p[9])
+    st.buffered_tokens = buffered_tokens
+    st.pending = pending
+    cdef mb_m3_reports rp
+    rp.h_last = _mp(reports[0]); rp.k_last = _mp(reports[1])
+    rp.v_last = _mp(reports[2]); rp.theta_last = _mp(reports[3])
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int64_t *lp = _lengths(lengths, B)
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef float *yp = _mp(y)
+    with nogil:
+        rc = mb_m3_forward(&wt, B, L, lp, xp, &st, yp, &rp)
+    free(lp)
+    _check_rc(rc)
+    return st.buffered_tokens
 
 
 # ---------------------------------------------------------------- test hooks

@@ -48,4 +48,40 @@ def random_weights(block, d_model, seed=0):
             "D": _fill((di,), (1.0 for _ in range(di))),
             "out_proj.weight": _uniform(rng, (dm, di), s_out),
         }
+    if block == "mamba2":
+        H = di // 64
+        cd = di + 256
+        return {
+            "block_norm.weight": _fill((dm,), (1 + 0.1 * rng.uniform(-1, 1) for _ in range(dm))),
+            "in_proj.weight": _uniform(rng, (2 * di + 256 + H, dm), s_in),
+            "conv1d.weight": _uniform(rng, (cd, 1, 4), 0.5),
+            "conv1d.bias": _uniform(rng, (cd,), 0.5),
+            "dt_bias": _fill((H,), _dt_bias(rng, H)),
+            "A_log": _fill((H,), (math.log(rng.uniform(1, 16)) for _ in range(H))),
+            "D": _fill((H,), (1.0 for _ in range(H))),
+            "norm.weight": _fill((di,), (1 + 0.1 * rng.uniform(-1, 1) for _ in range(di))),
+            "out_proj.weight": _uniform(rng, (dm, di), s_out),
+        }
+    if block == "mamba3":
+        H = di // 64
+        dip = 2 * di + 256 + 3 * H + 32
+
+        def near_one(shape):
+            # upstream starts norm weights and B/C biases at exactly 1; the small
+            # spread keeps every element distinguishable in tests
+            n = 1
+            for d in shape:
+                n *= d
+            return _fill(shape, (1 + 0.1 * rng.uniform(-1, 1) for _ in range(n)))
+        return {
+            "block_norm.weight": near_one((dm,)),
+            "in_proj.weight": _uniform(rng, (dip, dm), s_in),
+            "dt_bias": _fill((H,), _dt_bias(rng, H)),
+            "B_norm.weight": near_one((128,)),
+            "C_norm.weight": near_one((128,)),
+            "B_bias": near_one((H, 128)),
+            "C_bias": near_one((H, 128)),
+            "D": _fill((H,), (1.0 for _ in range(H))),
+            "out_proj.weight": _uniform(rng, (dm, di), s_out),
+        }
     raise ValueError(f"random_weights: unknown block {block!r}")

@@ -116,7 +116,7 @@ static void mm_bcast(int64_t M, int64_t N, int64_t K0, int64_t dK,
             _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
         }
     }
-    for (; m < M; m++) {
+    for (int64_t r = M - m; r > 0; r--, m++) {
         const float *a = A + m * sam;
         const int64_t K = K0 + m * dK;
         for (int64_t n0 = 0; n0 < N; n0 += 16) {
@@ -425,7 +425,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
             for (int64_t hh = 0; hh < H; hh++) {
                 const float dA = r[oA + hh];
                 /* upstream main's heavy-tail A, floored at -1e-4 */
-                float A = -mb_sel_(dA >= 0.0f, 1.0f + dA, 1.0f / (1.0f - dA));
+                float A = -(dA >= 0.0f ? 1.0f + dA : 1.0f / (1.0f - dA));
                 A = A > -A_FLOOR ? -A_FLOOR : A;
                 const float d = mb_softplus(r[oDT + hh] + w->dt_bias[hh]);
                 dt[m * H + hh] = d;

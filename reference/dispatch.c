@@ -6,6 +6,10 @@
 #define DECLARE_ISA(ret, name, params) ret name##_base params; ret name##_v3 params;
 DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m1_state *, float *))
+DECLARE_ISA(int, mb_m2_forward, (const mb_m2_weights *, int64_t, int64_t, const int64_t *,
+                                 const float *, const mb_m2_state *, float *, float *))
+DECLARE_ISA(int, mb_m3_forward, (const mb_m3_weights *, int64_t, int64_t, const int64_t *,
+                                 const float *, mb_m3_state *, float *, const mb_m3_reports *))
 DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
                             const float *, int64_t, float *, int64_t))
 DECLARE_ISA(int, mb_math_eval, (int, int64_t, const float *, float *))
@@ -45,6 +49,22 @@ int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *l
 {
     int rc;
     GUARDED(rc = ISA(mb_m1_forward)(w, B, L, lengths, x, state, y))
+    return rc;
+}
+
+int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, const mb_m2_state *state, float *y, float *h_last)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m2_forward)(w, B, L, lengths, x, state, y, h_last))
+    return rc;
+}
+
+int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, mb_m3_state *state, float *y, const mb_m3_reports *reports)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m3_forward)(w, B, L, lengths, x, state, y, reports))
     return rc;
 }
 

@@ -242,10 +242,10 @@ static void gemv_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
     const gemv_arg *a = arg;
 #ifdef MB_SIMD
     switch (a->m) {
-    case 1: gemv_leaf_m(a, 1, NB1, k0, kl, t); return;
-    case 2: gemv_leaf_m(a, 2, NB2, k0, kl, t); return;
-    case 3: gemv_leaf_m(a, 3, NB3, k0, kl, t); return;
-    default: gemv_leaf_m(a, 4, NB4, k0, kl, t); return;
+    case 1: gemv_leaf_m(a, 1, 4, k0, kl, t); return;
+    case 2: gemv_leaf_m(a, 2, 2, k0, kl, t); return;
+    case 3: gemv_leaf_m(a, 3, 1, k0, kl, t); return;
+    default: gemv_leaf_m(a, 4, 1, k0, kl, t); return;
     }
 #else
     for (int i = 0; i < a->m * GR; i++) t[i] = 0.0f;

@@ -36,6 +36,89 @@ typedef struct {
 int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, const mb_m1_state *state, float *y);
 
+/* ---- Mamba-2 SSD (identical.mamba2.fp32.v1): N = 128, P = 64, di = 2 dm, H = di / 64,
+ * CD = di + 256 conv channels (x | B | C), chunk Q = 256 on each row's absolute grid. */
+typedef struct {
+    int64_t d_model;
+    const float *block_norm_w; /* (dm) block_norm.weight */
+    const float *in_proj;      /* (2 di + 256 + H, dm), rows z | xBC | dt */
+    const float *conv_w;       /* (CD, 4) */
+    const float *conv_b;       /* (CD) */
+    const float *dt_bias;      /* (H) */
+    const float *A_log;        /* (H) */
+    const float *D;            /* (H) */
+    const float *norm_w;       /* (di) norm.weight, the gated norm */
+    const float *out_proj;     /* (dm, di) */
+    float dt_lo, dt_hi;        /* dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi) */
+} mb_m2_weights;
+
+/* Row b's open chunk is rows [0, buffered_tokens[b]) of its buffers; h is the state
+ * entering it. After a call that closes a chunk the buffer rows past the open ones are
+ * +0; otherwise only the appended rows are written. Rows past the open ones are never
+ * read. buffered_tokens holds one count per row (all equal unless lengths is given). */
+typedef struct {
+    float *conv_window;       /* (B, CD, 4) last four pre-conv xBC inputs, oldest first */
+    float *h;                 /* (B, H, 64, 128) */
+    float *buffer_xbc;        /* (B, 256, CD) post-conv post-silu xBC rows */
+    float *buffer_dtraw;      /* (B, 256, H) dt rows of in_proj, before dt_bias */
+    int64_t *buffered_tokens; /* (B) in [0, 256), read at entry and updated */
+} mb_m2_state;
+
+/* As mb_m1_forward (each row has its own chunk grid from its position 0 and its own
+ * buffered count). h_last, if not NULL, receives (B, H, 64, 128): each row's state
+ * after its last token with the open chunk folded as if it were closed. */
+int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, const mb_m2_state *state, float *y, float *h_last);
+
+/* ---- Mamba-3 SISO (identical.mamba3.siso.fp32.v1): di = 2 dm, H = di / 64 heads,
+ * in_proj rows 2 di + 256 + 3 H + 32 (z | x | B | C | dd_dt | dd_A | trap | angle). */
+enum { MB_M3_N = 128, MB_M3_P = 64, MB_M3_R = 32, MB_M3_Q = 64 };
+
+typedef struct {
+    int64_t d_model;
+    const float *norm_w;   /* (dm) block_norm.weight */
+    const float *in_proj;  /* (2 di + 256 + 3 H + 32, dm) */
+    const float *dt_bias;  /* (H) */
+    const float *B_norm_w; /* (128) */
+    const float *C_norm_w; /* (128) */
+    const float *B_bias;   /* (H, 128) */
+    const float *C_bias;   /* (H, 128) */
+    const float *D;        /* (H) */
+    const float *out_proj; /* (dm, di) */
+} mb_m3_weights;
+
+/* The working chunk (rows [0, buffered_tokens) of the buffers) is the chunk of the
+ * absolute grid holding the last token; h is the state entering it. pending: fold
+ * (pending_v * pending_k) * (dt * (1 - sig)) of the next first token into h
+ * (upstream Input_States; needs buffered_tokens == 0). */
+typedef struct {
+    float *theta;       /* (B, H, 32) rotary angles */
+    float *h;           /* (B, H, 64, 128) */
+    float *buffer_qrot; /* (B, 64, H, 128) rotated q */
+    float *buffer_krot; /* (B, 64, H, 128) rotated, unscaled k */
+    float *buffer_v;    /* (B, 64, H, 64) */
+    float *buffer_dt;   /* (B, 64, H) */
+    float *buffer_sig;  /* (B, 64, H) */
+    float *buffer_adt;  /* (B, 64, H) */
+    float *pending_k;   /* (B, H, 128) */
+    float *pending_v;   /* (B, H, 64) */
+    int64_t buffered_tokens; /* in [0, 64]; updated on return unless lengths is given */
+    int pending;             /* consumed (cleared, pending_k/v zeroed) by the call */
+} mb_m3_state;
+
+/* Reports of the last token of each row (any pointer may be NULL): h_last (B, H, 64,
+ * 128) the working chunk folded into h with the last row's beta +0 (upstream final
+ * SSM state), k_last (B, H, 128) its rotated unscaled k, v_last (B, H, 64) its v,
+ * theta_last (B, H, 32) the angles after it. */
+typedef struct {
+    float *h_last, *k_last, *v_last, *theta_last;
+} mb_m3_reports;
+
+/* As mb_m1_forward; with lengths every row starts from the state's buffered_tokens
+ * and ends at its own length, so buffered_tokens is left as it was. */
+int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, mb_m3_state *state, float *y, const mb_m3_reports *reports);
+
 /* ---- shared pieces, exposed for tests and for the other blocks */
 void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
              const float *W, int64_t ldw, float *Y, int64_t ldy);

@@ -146,3 +146,21 @@ def test_state_round_trips_bytes(case):
     for n, v in scalars.items():
         setattr(restored, n, v)
     assert raw(blk.forward(time_slice(x, 5, 9), restored)) == raw(y_a)
+
+
+def test_ragged_rows_equal_rows_alone(case):
+    name, spec, blk, ref = case
+    L = spec["length"]
+    lens = [L, 3, 1]
+    x = rand((3, L, blk.d_model), 9)
+    flat = memoryview(x).cast("B").cast("f")
+    D = blk.d_model
+    for b, n in enumerate(lens):  # padding is never read: poison it
+        for i in range((b * L + n) * D, (b + 1) * L * D):
+            flat[i] = float("nan")
+    y = blk.forward(x, lengths=lens)
+    for b, n in enumerate(lens):
+        alone = blk.forward(time_slice(rows(x, [b]), 0, n))
+        assert raw(time_slice(rows(y, [b]), 0, n)) == raw(alone), f"row {b}"
+        pad = raw(time_slice(rows(y, [b]), n, L)) if n < L else b""
+        assert pad == bytes(len(pad)), f"row {b} padding is not +0.0"

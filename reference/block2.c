@@ -1,0 +1,379 @@
+/* Mamba-2 (SSD) block, profile identical.mamba2.fp32.v1 (SPEC section 6).
+ *
+ * Each row is seen as one extended sequence: the open chunk's buffered rows (from the
+ * state) followed by the new tokens, cut into chunks of Q on that absolute grid. Chunk
+ * 0 lives in the state buffers themselves (new rows are appended there in place, so a
+ * decode step copies nothing); later chunks live in scratch, and whatever chunk is
+ * left open at the end is moved into the state buffers. Every output and every fold
+ * is evaluated by the same per-row formulas whatever the split, so prefill, split
+ * prefill and decode agree bit for bit.
+ *
+ * Phases: norm + in_proj (mb_gemm); conv + silu; G = C . B^T per output row (mb_gemm,
+ * shared by all heads since ngroups = 1); the SSD per (row, head), serial over chunks;
+ * gate, gated norm, out_proj, residual. */
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "mamba_ref.h"
+#include "numerics.h"
+#include "gemm.h"
+#include "ops.h"
+#include "fpenv.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MB_SIMD 1
+#endif
+
+#define NS 128       /* d_state */
+#define HP 64        /* head dim */
+#define BUFROWS 256  /* rows of the state buffers */
+#ifdef MB_SABOTAGE_CHUNK128
+#define CQ 128
+#else
+#define CQ 256       /* chunk size: part of the arithmetic */
+#endif
+#define TR 6         /* rows per register tile */
+#define GB 64        /* output rows per G task */
+#define CB 256       /* channels per conv task */
+
+/* out[r][c] = dot v1 over k < K of a[r*sar + k*sak] * b[k*ldb + c], for r < R <= TR and
+ * the HP columns c: one ascending fmaf chain from +0 per output (K <= CQ: one leaf).
+ * Vectors run across c only. */
+static void mm64(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
+                 const float *b, int64_t ldb, float *out, int64_t ldo)
+{
+#ifdef MB_SIMD
+    const float *ar[TR]; /* rows past R repeat the last one; their outputs are dropped */
+    for (int r = 0; r < TR; r++) ar[r] = a + (r < R ? r : R - 1) * sar;
+    for (int c = 0; c < HP; c += 16) {
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        const float *bp = b + c;
+        for (int64_t k = 0; k < K; k++, bp += ldb) {
+            const int64_t o = k * sak;
+            __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), v;
+            v = _mm256_broadcast_ss(ar[0] + o);
+            c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
+            v = _mm256_broadcast_ss(ar[1] + o);
+            c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
+            v = _mm256_broadcast_ss(ar[2] + o);
+            c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
+            v = _mm256_broadcast_ss(ar[3] + o);
+            c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
+            v = _mm256_broadcast_ss(ar[4] + o);
+            c40 = _mm256_fmadd_ps(v, b0, c40); c41 = _mm256_fmadd_ps(v, b1, c41);
+            v = _mm256_broadcast_ss(ar[5] + o);
+            c50 = _mm256_fmadd_ps(v, b0, c50); c51 = _mm256_fmadd_ps(v, b1, c51);
+        }
+        __m256 t[TR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(out + r * ldo + c, t[r][0]);
+            _mm256_storeu_ps(out + r * ldo + c + 8, t[r][1]);
+        }
+    }
+#else
+    for (int r = 0; r < R; r++) {
+        float *o = out + r * ldo;
+        for (int c = 0; c < HP; c++) o[c] = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float av = a[r * sar + k * sak];
+            for (int c = 0; c < HP; c++) o[c] = fmaf(av, b[k * ldb + c], o[c]);
+        }
+    }
+#endif
+}
+
+/* Continue one row's chains of mm64 over k in [k0, k1). */
+static void mm64_more(const float *a, int64_t sak, int64_t k0, int64_t k1,
+                      const float *b, int64_t ldb, float *out)
+{
+    for (int64_t k = k0; k < k1; k++) {
+        const float av = a[k * sak], *bk = b + k * ldb;
+        for (int c = 0; c < HP; c++) out[c] = fmaf(av, bk[c], out[c]);
+    }
+}
+
+/* s[j] = seg[i][j] for j <= i, given s holding row *row < i (or *row == i). seg[i][j] is
+ * the serial ascending sum of dA[j+1..i] from +0, so row i is row i - 1 plus dA[i]. */
+static void seg_row(float *s, const float *dA, int64_t *row, int64_t i)
+{
+#ifdef MB_SABOTAGE_SEGSUM_DESCENDING
+    s[i] = 0.0f;
+    for (int64_t j = i - 1; j >= 0; j--) s[j] = s[j + 1] + dA[j + 1];
+#else
+    for (int64_t ii = *row + 1; ii <= i; ii++) {
+        const float d = dA[ii];
+        for (int64_t j = 0; j < ii; j++) s[j] = s[j] + d;
+        s[ii] = 0.0f;
+    }
+#endif
+    *row = i;
+}
+
+/* hout = fma(exp(cs[n-1]), hT, S) with S[m][p] = sum_j (B_j[m] exp(cs[n-1] - cs[j])) Xd[j][p],
+ * the fold of a chunk's first n rows into the state (hT and hout are (NS, HP); hout may
+ * alias hT; ST is scratch that may alias hout only if it does not alias hT). */
+static void fold(int64_t n, const float *Bm, int64_t ldu, const float *cs, const float *Xd,
+                 float *Bd, float *ST, const float *hT, float *hout)
+{
+    const float last = cs[n - 1];
+    for (int64_t j = 0; j < n; j++) {
+        const float dec = mb_exp(last - cs[j]);
+        for (int m = 0; m < NS; m++) Bd[j * NS + m] = Bm[j * ldu + m] * dec;
+    }
+    for (int m0 = 0; m0 < NS; m0 += TR)
+        mm64(NS - m0 < TR ? NS - m0 : TR, n, Bd + m0, 1, NS, Xd, HP, ST + m0 * HP, HP);
+    const float e = mb_exp(last);
+    for (int i = 0; i < NS * HP; i++)
+#ifdef MB_SABOTAGE_UNFUSED_STATE
+        hout[i] = e * hT[i] + ST[i];
+#else
+        hout[i] = fmaf(e, hT[i], ST[i]);
+#endif
+}
+
+/* dst (rows, cols) = src^T, src (cols, rows). */
+static void transpose(int64_t rows, int64_t cols, const float *src, float *dst)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = src[c * rows + r];
+}
+
+/* Per-thread scratch of the SSD phase, in floats. */
+#define SSD_SCRATCH (4 * CQ + CQ * HP + TR * CQ + CQ * NS + 2 * NS * HP + 2 * TR * HP)
+
+typedef struct {
+    int64_t di, H, CD, NP;
+    const int64_t *off, *t0, *eoff; /* token offsets, buffered rows, scratch-chunk rows */
+    float *ext_u, *ext_dtr;         /* chunks >= 1 of every row */
+    const float *G;                 /* (tokens, CQ): G[token][j] */
+    float *yb;                      /* (tokens, di): Y before the gate */
+} m2_ctx;
+
+static float *chunk_u(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64_t k)
+{
+    return k ? c->ext_u + (c->eoff[b] + (k - 1) * CQ) * c->CD : st->buffer_xbc + b * BUFROWS * c->CD;
+}
+
+static float *chunk_dtr(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64_t k)
+{
+    return k ? c->ext_dtr + (c->eoff[b] + (k - 1) * CQ) * c->H : st->buffer_dtraw + b * BUFROWS * c->H;
+}
+
+/* The SSD of one (row, head): every chunk in order, outputs into yb, the state in st->h,
+ * the report (if asked) into h_last. */
+static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state *st,
+                     int64_t b, int64_t h, float *h_last, float *scr)
+{
+    const int64_t di = c->di, H = c->H, CD = c->CD, t0 = c->t0[b];
+    const int64_t T = t0 + (c->off[b + 1] - c->off[b]), nk = (T + CQ - 1) / CQ;
+    float *dt = scr, *dA = dt + CQ, *cs = dA + CQ, *s = cs + CQ, *Xd = s + CQ;
+    float *Mt = Xd + CQ * HP, *Bd = Mt + TR * CQ, *hT = Bd + CQ * NS, *ST = hT + NS * HP;
+    float *yd = ST + NS * HP, *yo = yd + TR * HP;
+    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h], Dh = w->D[h];
+    float *hs = st->h + (b * H + h) * HP * NS;
+    float *hl = h_last ? h_last + (b * H + h) * HP * NS : NULL;
+    transpose(NS, HP, hs, hT);
+
+    for (int64_t k = 0; k < nk; k++) {
+        const int64_t n = T - k * CQ < CQ ? T - k * CQ : CQ, r0 = k ? 0 : t0;
+        const float *u = chunk_u(c, st, b, k), *dtr = chunk_dtr(c, st, b, k);
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            dt[i] = mb_clamp(mb_softplus(dtr[i * H + h] + bias), w->dt_lo, w->dt_hi);
+            dA[i] = dt[i] * A;
+            acc = acc + dA[i];
+            cs[i] = acc;
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int p = 0; p < HP; p++) Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
+
+        int64_t row = 0;
+        s[0] = 0.0f;
+        for (int64_t i0 = r0; i0 < n; i0 += TR) {
+            const int R = n - i0 < TR ? (int)(n - i0) : TR;
+            const int64_t tok = c->off[b] + k * CQ + i0 - t0;
+            for (int r = 0; r < R; r++) {
+                const int64_t i = i0 + r;
+                const float *g = c->G + (tok + r) * CQ;
+                float *mr = Mt + r * CQ;
+                seg_row(s, dA, &row, i);
+                for (int64_t j = 0; j <= i; j++) mr[j] = g[j] * mb_exp(s[j]);
+            }
+            /* Y_diag: the chains common to the tile, then each row's causal rest */
+            mm64(R, i0 + 1, Mt, CQ, 1, Xd, HP, yd, HP);
+            for (int r = 1; r < R; r++)
+                mm64_more(Mt + r * CQ, 1, i0 + 1, i0 + r + 1, Xd, HP, yd + r * HP);
+            /* Y_off: C_i . h_prev, contracted over the state first */
+            mm64(R, NS, u + i0 * CD + di + NS, CD, 1, hT, HP, yo, HP);
+            for (int r = 0; r < R; r++) {
+                const int64_t i = i0 + r;
+                const float e = mb_exp(cs[i]), *xr = u + i * CD + h * HP;
+                float *yr = c->yb + (tok + r) * di + h * HP;
+                for (int p = 0; p < HP; p++)
+                    yr[p] = (yd[r * HP + p] + yo[r * HP + p] * e) + xr[p] * Dh;
+            }
+        }
+
+        if (n == CQ)
+            fold(n, u + di, CD, cs, Xd, Bd, ST, hT, hT);
+        else if (hl) { /* the open chunk as if it were closed: the report only */
+            fold(n, u + di, CD, cs, Xd, Bd, ST, hT, ST);
+            transpose(HP, NS, ST, hl);
+        }
+    }
+    if (hl && T % CQ == 0)
+        transpose(HP, NS, hT, hl);
+    transpose(HP, NS, hT, hs);
+}
+
+typedef struct { int64_t b, k, i0, i1; } g_task;
+
+int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, const mb_m2_state *st, float *y, float *h_last)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
+    int nth = 1;
+#ifdef _OPENMP
+    nth = omp_get_max_threads();
+#endif
+    int64_t *ib = malloc((size_t)(4 * B + 3) * sizeof *ib);
+    if (!ib)
+        return MB_ENOMEM;
+    int64_t *off = ib, *t0 = off + B + 1, *eoff = t0 + B;
+    const int64_t M = mb_row_offsets(B, L, lengths, off);
+    int64_t nchunks = 0, work = 0;
+    eoff[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        t0[b] = st->buffered_tokens[b];
+        const int64_t T = t0[b] + off[b + 1] - off[b];
+        eoff[b + 1] = eoff[b] + (T > CQ ? T - CQ : 0);
+        nchunks += (T + CQ - 1) / CQ;
+        work += T;
+    }
+    const int64_t E = eoff[B], ngt = nchunks * ((CQ + GB - 1) / GB);
+    /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
+     * (E (CD + H)), per-thread SSD scratch, and the packed input and output if ragged */
+    const int64_t ragged = lengths ? 2 * M * dm : 0;
+    const int64_t nf = M * (dm + NP + di + CQ) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH + ragged;
+    float *buf = malloc((size_t)nf * sizeof(float));
+    g_task *gt = malloc((size_t)ngt * sizeof *gt);
+    if (!buf || !gt) {
+        free(buf);
+        free(gt);
+        free(ib);
+        return MB_ENOMEM;
+    }
+    float *xn = buf, *zxd = xn + M * dm, *yb = zxd + M * NP, *G = yb + M * di;
+    float *ext_u = G + M * CQ, *ext_dtr = ext_u + E * CD, *scr = ext_dtr + E * H;
+    const float *xs = x;
+    float *ys = y;
+    if (lengths) {
+        float *xp = scr + (int64_t)nth * SSD_SCRATCH;
+        mb_pack_rows(B, L, dm, off, x, xp);
+        xs = xp;
+        ys = xp + M * dm;
+    }
+    const m2_ctx c = {di, H, CD, NP, off, t0, eoff, ext_u, ext_dtr, G, yb};
+
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->block_norm_w, xn, dm);
+    MB_ISA_FN(mb_gemm)(M, NP, dm, xn, dm, w->in_proj, dm, zxd, NP);
+
+    /* conv + silu over xBC into the chunk storage (chunk 0 in the state buffer), and the
+     * raw dt rows beside it; tasks are (row, channel block) */
+    const int64_t ncb = (CD + CB - 1) / CB;
+    #pragma omp parallel for schedule(dynamic) if (M * CD > (1 << 15))
+    for (int64_t task = 0; task < B * ncb; task++) {
+        mb_fpenv env = mb_fpenv_enter();
+        const int64_t b = task / ncb, c0 = task % ncb * CB, nc = CD - c0 < CB ? CD - c0 : CB;
+        const int64_t len = off[b + 1] - off[b], n0 = (CQ - t0[b] < len ? CQ - t0[b] : len);
+        const float *in = zxd + off[b] * NP + di + c0;
+        float *win = st->conv_window + (b * CD + c0) * 4;
+        MB_ISA_FN(mb_conv_silu)(n0, nc, in, NP, win, w->conv_w + c0 * 4, w->conv_b + c0,
+                                st->buffer_xbc + (b * BUFROWS + t0[b]) * CD + c0, CD);
+        if (len > n0)
+            MB_ISA_FN(mb_conv_silu)(len - n0, nc, in + n0 * NP, NP, win, w->conv_w + c0 * 4,
+                                    w->conv_b + c0, ext_u + eoff[b] * CD + c0, CD);
+        if (c0 == 0)
+            for (int64_t s = 0; s < len; s++) {
+                const int64_t e = t0[b] + s;
+                float *d = e < CQ ? st->buffer_dtraw + (b * BUFROWS + e) * H
+                                  : ext_dtr + (eoff[b] + e - CQ) * H;
+                memcpy(d, zxd + (off[b] + s) * NP + di + CD, (size_t)H * sizeof(float));
+            }
+        mb_fpenv_exit(env);
+    }
+
+    /* G rows of every output token, over j up to the end of its row block only */
+    int64_t ng = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t T = t0[b] + off[b + 1] - off[b];
+        for (int64_t k = 0; k * CQ < T; k++) {
+            const int64_t n = T - k * CQ < CQ ? T - k * CQ : CQ;
+            for (int64_t i0 = k ? 0 : t0[b]; i0 < n; i0 += GB)
+                gt[ng++] = (g_task){b, k, i0, i0 + GB < n ? i0 + GB : n};
+        }
+    }
+    #pragma omp parallel for schedule(dynamic) if (M * CQ * NS > (1 << 18))
+    for (int64_t i = 0; i < ng; i++) {
+        mb_fpenv env = mb_fpenv_enter();
+        const g_task g = gt[i];
+        const float *u = chunk_u(&c, st, g.b, g.k);
+        const int64_t tok = off[g.b] + g.k * CQ + g.i0 - t0[g.b];
+        MB_ISA_FN(mb_gemm)(g.i1 - g.i0, g.i1, NS, u + g.i0 * CD + di + NS, CD, u + di, CD,
+                           G + tok * CQ, CQ);
+        mb_fpenv_exit(env);
+    }
+
+    #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * H; task++)
+            ssd_task(&c, w, st, task / H, task % H, h_last, scr + (int64_t)tid * SSD_SCRATCH);
+        mb_fpenv_exit(env);
+    }
+
+    /* the open chunk goes to the state buffers; once a chunk has closed, the rows past
+     * it are zeroed so the buffers' bytes depend only on the sequence */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t T = t0[b] + off[b + 1] - off[b], r = T % CQ;
+        if (T >= CQ) {
+            float *bx = st->buffer_xbc + b * BUFROWS * CD, *bd = st->buffer_dtraw + b * BUFROWS * H;
+            if (r) {
+                const int64_t k = T / CQ;
+                memcpy(bx, chunk_u(&c, st, b, k), (size_t)(r * CD) * sizeof(float));
+                memcpy(bd, chunk_dtr(&c, st, b, k), (size_t)(r * H) * sizeof(float));
+            }
+            memset(bx + r * CD, 0, (size_t)((BUFROWS - r) * CD) * sizeof(float));
+            memset(bd + r * H, 0, (size_t)((BUFROWS - r) * H) * sizeof(float));
+        }
+        st->buffered_tokens[b] = r;
+    }
+
+    /* gate before the norm: g = Y * silu(z), then RMSNorm over di, out_proj, residual */
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
+        float *g = yb + m * di;
+        const float *z = zxd + m * NP;
+        for (int64_t j = 0; j < di; j++) g[j] = g[j] * mb_silu(z[j]);
+        mb_fpenv_exit(env);
+    }
+    MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
+    MB_ISA_FN(mb_gemm)(M, dm, di, yb, di, w->out_proj, di, xn, dm);
+    for (int64_t i = 0; i < M * dm; i++)
+        ys[i] = xs[i] + xn[i];
+    if (lengths)
+        mb_unpack_rows(B, L, dm, off, ys, y);
+    free(gt);
+    free(buf);
+    free(ib);
+    return MB_OK;
+}
