@@ -1,6 +1,7 @@
 """Backend selection. The CPU backend (the C reference) is always present; GPU
 backends are detected lazily and never make `import mamba` fail."""
 import os
+import re
 
 from . import _core
 
@@ -12,6 +13,7 @@ class CpuBackend:
     name = "cpu"
 
     def upload_weights(self, w):
+        _host_only(w, "a weight")
         return w
 
     def session_weights(self, block):
@@ -21,21 +23,37 @@ class CpuBackend:
         return _core.empty(shape)
 
     def copy(self, a):
+        _host_only([a], "a state piece")
         return _core.copy(a)
 
     def copy_into(self, dst, src):
+        _host_only([dst, src], "a state piece")
         _core.copy_into(dst, src)
 
     def m1_forward(self, w, d_model, x, pieces, y, lengths):
+        _host_only([x], "x")
+        _host_only(pieces, "a state piece")
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
     def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, h_last, lengths):
+        _host_only([x], "x")
+        _host_only(pieces, "a state piece")
         return _core.m2_forward(w, d_model, dt_limit[0], dt_limit[1], x, tuple(pieces),
                                 buffered_tokens, y, h_last, lengths)
 
     def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
+        _host_only([x], "x")
+        _host_only(pieces, "a state piece")
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,
                                 reports, lengths)
+
+
+def _host_only(arrays, what):
+    for a in arrays:
+        if a.device != "cpu":
+            raise ValueError(f"mamba: {what} lives on {a.device}:{a.device_id}, but the block "
+                             "runs on the cpu backend; pass host arrays or build the block "
+                             "with backend='cuda'")
 
 
 _CPU = CpuBackend()
@@ -83,10 +101,11 @@ def resolve(requested, what="mamba"):
     An explicitly requested backend that is unusable raises."""
     if requested == "auto":
         requested = os.environ.get("MAMBA_BACKEND", "auto") or "auto"
+    op = _op_for(what)
     if requested == "auto":
         for n in ("cuda", "hip"):
             be, _ = _get(n)
-            if be is not None:
+            if be is not None and supports(be, op):
                 return be
         return _CPU
     if requested not in NAMES:
@@ -96,14 +115,47 @@ def resolve(requested, what="mamba"):
     if be is None:
         raise RuntimeError(f"mamba {what}: backend {requested!r} was requested but is not "
                            f"usable: {why}")
+    if not supports(be, op):
+        raise RuntimeError(f"mamba {what}: backend {requested!r} was requested but does not "
+                           "implement this block yet")
     return be
 
 
-def intake_foreign(obj, what, name):
-    """Arrays that only speak DLPack / CUDA array interface (e.g. torch tensors)."""
+def _op_for(what):
+    """The backend method a block class needs ('Mamba2Block' -> 'm2_forward')."""
+    m = re.match(r"Mamba(\d)Block", what)
+    return f"m{m.group(1)}_forward" if m else None
+
+
+def supports(be, op):
+    return op is None or hasattr(be, op)
+
+
+def _foreign_device(obj):
+    if hasattr(obj, "__dlpack_device__"):
+        kind, _ = obj.__dlpack_device__()
+        return "cuda" if kind in (2, 13) else None  # kDLCUDA, kDLCUDAManaged
+    return "cuda" if hasattr(obj, "__cuda_array_interface__") else None
+
+
+def intake_foreign(obj, what, name, writable=False):
+    """Arrays that speak only DLPack or the CUDA array interface: CUDA ones (torch.cuda
+    tensors, CuPy arrays) go to the CUDA backend, which borrows them on the device."""
+    if _foreign_device(obj) == "cuda":
+        be, why = _get("cuda")
+        if be is None:
+            raise ValueError(f"mamba {what}: {name} lives on a CUDA device, but the CUDA "
+                             f"backend is not usable: {why}")
+        return be.intake(obj, what, name, writable)
     raise TypeError(f"mamba {what}: {name} is a {type(obj).__name__} without the buffer "
-                    "protocol; pass a float32 host array or use a GPU backend")
+                    "protocol; pass a float32 host array or a CUDA array")
+
+
+def owner_of(arr):
+    """The backend that holds a device Array."""
+    return _get(arr.device)[0]
 
 
 def sync_for_consumer(arr, stream):
-    pass
+    """Order a consumer's stream after the work that wrote a device Array (DLPack)."""
+    owner_of(arr).sync_for_consumer(stream)

@@ -7,7 +7,8 @@ and go out as `Array`, which exports the buffer protocol and DLPack.
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_FORMAT,
                              PyBUF_STRIDES, PyBUF_ND, PyBUF_WRITABLE,
                              PyBUF_C_CONTIGUOUS, PyBUF_ANY_CONTIGUOUS)
-from cpython.pycapsule cimport PyCapsule_New, PyCapsule_IsValid, PyCapsule_GetPointer
+from cpython.pycapsule cimport (PyCapsule_New, PyCapsule_IsValid, PyCapsule_GetPointer,
+                                PyCapsule_SetName)
 from cpython.ref cimport Py_INCREF, Py_DECREF, PyObject
 from libc.stdint cimport int64_t, uint8_t, uint16_t, int32_t, uint64_t, uint32_t, uintptr_t
 from libc.stdlib cimport malloc, free
@@ -329,7 +330,7 @@ cdef class Array:
             if self.device != "cuda":
                 raise AttributeError("__cuda_array_interface__: host array")
             return {"shape": self.shape, "typestr": "<f4", "data": (int(self._ptr), self._readonly),
-                    "version": 3, "strides": None, "stream": None}
+                    "version": 3, "strides": None, "stream": _CAI_STREAM}
 
 
 def _nest(flat, shape):
@@ -366,6 +367,37 @@ def empty(shape):
 def zeros(shape):
     """A zero-filled host float32 Array."""
     return _alloc(tuple(int(d) for d in shape), True)
+
+
+# Device arrays are written on the legacy default stream (1 in the CUDA array
+# interface), so consumers that honour the key order their work after it.
+_CAI_STREAM = 1
+
+
+cdef class _DLHolder:
+    """Owns a consumed DLPack tensor: its producer's deleter runs when this dies."""
+    cdef mb_DLManagedTensor *t
+
+    def __dealloc__(self):
+        if self.t != NULL and self.t.deleter != NULL:
+            self.t.deleter(self.t)
+
+
+def dlpack_import(capsule):
+    """Consume a DLPack capsule: (owner, ptr, (device_type, device_id), shape,
+    strides in elements or None, (code, bits, lanes)). The memory stays valid
+    while owner lives."""
+    if not PyCapsule_IsValid(capsule, b"dltensor"):
+        raise TypeError("not an unconsumed DLPack capsule")
+    cdef mb_DLManagedTensor *t = <mb_DLManagedTensor *>PyCapsule_GetPointer(capsule, b"dltensor")
+    PyCapsule_SetName(capsule, b"used_dltensor")
+    cdef _DLHolder owner = _DLHolder.__new__(_DLHolder)
+    owner.t = t
+    cdef mb_DLTensor *d = &t.dl_tensor
+    shape = tuple(d.shape[i] for i in range(d.ndim))
+    strides = None if d.strides == NULL else tuple(d.strides[i] for i in range(d.ndim))
+    return (owner, <uintptr_t>d.data + d.byte_offset, (d.device.device_type, d.device.device_id),
+            shape, strides, (d.dtype.code, d.dtype.bits, d.dtype.lanes))
 
 
 def wrap_device(tuple shape, uintptr_t ptr, str device, int device_id, owner, bint readonly=False):
@@ -438,7 +470,7 @@ def intake(obj, str what, str name, bint writable=False):
             _refuse_dtype(what, name, _dtype_name(obj, ""))
         if hasattr(obj, "__dlpack__") or hasattr(obj, "__cuda_array_interface__"):
             from . import _backends as backends
-            return backends.intake_foreign(obj, what, name)
+            return backends.intake_foreign(obj, what, name, writable)
         raise TypeError(
             f"mamba {what}: {name} is a {type(obj).__name__}, which does not export the "
             "buffer protocol; pass a float32 array (numpy, array.array('f'), memoryview, "
@@ -670,7 +702,7 @@ def _isa(int which=-1):
 
 
 def view_rows(Array a, Py_ssize_t start, Py_ssize_t n):
-    """A 1-D view of elements [start, start + n) of a host array."""
+    """A 1-D view of elements [start, start + n) of an array (host or device)."""
     if start < 0 or n < 0 or start + n > a.size:
         raise ValueError("view_rows: out of range")
     cdef Array v = Array.__new__(Array)
@@ -678,4 +710,6 @@ def view_rows(Array a, Py_ssize_t start, Py_ssize_t n):
     v._ptr = a._ptr + 4 * start
     v._readonly = a._readonly
     v._owner = a
+    v.device = a.device
+    v.device_id = a.device_id
     return v

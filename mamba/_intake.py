@@ -7,10 +7,15 @@ def f32(obj, what, name, writable=False):
     return _core.intake(obj, what, name, writable)
 
 
+def _first_nonfinite(a):
+    if a.device == "cpu":
+        return _core.first_nonfinite(a)
+    from . import _backends
+    return _backends.owner_of(a).first_nonfinite(a)
+
+
 def finite(a, what, name):
-    if a.device != "cpu":
-        return a
-    i = _core.first_nonfinite(a)
+    i = _first_nonfinite(a)
     if i >= 0:
         raise ValueError(f"mamba {what}: {name} holds a non-finite value (NaN or inf) at "
                          f"flat index {i}")
@@ -78,7 +83,7 @@ def real_finite(x, what, lens):
     B, L, D = x.shape
     for b, n in enumerate(lens):
         row = _core.view_rows(x, b * L * D, n * D)
-        i = _core.first_nonfinite(row)
+        i = _first_nonfinite(row)
         if i >= 0:
             raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
                              f"flat index {b * L * D + i}")

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include "gemm.h"
 #include "fpenv.h"
 #if defined(__AVX2__) && defined(__FMA__)
@@ -132,61 +133,65 @@ static inline void load_tr8_tail(const float *const *w, int64_t k, int rem, __m2
 }
 #endif
 
-/* Panel p of W^T: NR columns from row n0, zero past N. */
+/* The panel of W^T at row n0: wp[k*NR + j] = W[n0 + j][k], zero past N. */
 static void pack_panel(int64_t N, int64_t K, const float *W, int64_t ldw, int64_t n0, float *wp)
 {
     const float *row[NR];
-    for (int j = 0; j < NR; j++) row[j] = W + (n0 + j < N ? n0 + j : N - 1) * ldw;
+    int nr = N - n0 < NR ? (int)(N - n0) : NR;
+    for (int j = 0; j < NR; j++) row[j] = W + (n0 + (j < nr ? j : nr - 1)) * ldw;
     int64_t k = 0;
 #ifdef MB_SIMD
-    for (; k + 8 <= K; k += 8)
-        for (int h = 0; h < NR; h += 8) {
-            __m256 v[8];
-            load_tr8(row + h, k, v);
-            for (int j = 0; j < 8; j++) _mm256_store_ps(wp + (k + j) * NR + h, v[j]);
-        }
+    for (; k + 16 <= K; k += 16) /* whole cache lines of each row, as in the GEMV */
+        for (int h = 0; h < NR; h += 8)
+            for (int kk = k; kk < k + 16; kk += 8) {
+                __m256 v[8];
+                load_tr8(row + h, kk, v);
+                for (int j = 0; j < 8; j++) _mm256_store_ps(wp + (kk + j) * NR + h, v[j]);
+            }
 #endif
     for (; k < K; k++)
         for (int j = 0; j < NR; j++) wp[k * NR + j] = row[j][k];
-    for (int j = (int)(N - n0); j < NR; j++) /* the repeated rows become zeros */
+    for (int j = nr; j < NR; j++)
         for (k = 0; k < K; k++) wp[k * NR + j] = 0.0f;
 }
 
 static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                        const float *W, int64_t ldw, float *Y, int64_t ldy)
 {
-    int64_t np = (N + NR - 1) / NR;
-    float *wp = aligned_alloc(64, (size_t)(np * NR * K) * sizeof(float));
-    if (!wp) return 0;
-    /* Row blocks of about 256 KiB of X stay in L2 while a task walks its panels. */
-    int64_t kl = K < LEAF ? K : LEAF, mb = (65536 / kl) / MR * MR;
-    mb = mb < MR ? MR : mb > 240 ? 240 : mb;
-    int64_t pb = 16, nmb = (M + mb - 1) / mb, npb = (np + pb - 1) / pb;
-#pragma omp parallel if (M * N * K >= MIN_PAR)
+    /* A task is one panel of W against a block of rows of X: the panel is packed by
+     * the thread that uses it, into its own scratch, and stays hot in L2 (K*64 bytes)
+     * while the block's tiles stream past it. Blocks are tall enough that repacking a
+     * panel per block costs a few percent, short enough to give both cores work. */
+    int64_t np = (N + NR - 1) / NR, kl = K < LEAF ? K : LEAF;
+    int64_t mb = (1 << 18) / kl / MR * MR;
+    mb = mb < 96 ? 96 : mb > 384 ? 384 : mb;
+    int64_t nmb = (M + mb - 1) / mb;
+    int par = M * N * K >= MIN_PAR, nt = par ? omp_get_max_threads() : 1;
+    float *scratch = aligned_alloc(64, (size_t)(nt * NR * K) * sizeof(float));
+    if (!scratch) return 0;
+#pragma omp parallel num_threads(nt) if (par)
     {
         mb_fpenv fe = mb_fpenv_enter();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < np; p++) pack_panel(N, K, W, ldw, p * NR, wp + p * NR * K);
+        float *wp = scratch + omp_get_thread_num() * NR * K;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < nmb * npb; task++) {
-            int64_t m0 = task / npb * mb, m1 = m0 + mb < M ? m0 + mb : M;
-            int64_t p0 = task % npb * pb, p1 = p0 + pb < np ? p0 + pb : np;
-            for (int64_t p = p0; p < p1; p++)
-                for (int64_t m = m0; m < m1; m += MR) {
-                    tile_arg a;
-                    float t[MR * NR];
-                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                    int nr = N - p * NR < NR ? (int)(N - p * NR) : NR;
-                    for (int i = 0; i < MR; i++) a.x[i] = X + (m + (i < mr ? i : mr - 1)) * ldx;
-                    a.wp = wp + p * NR * K;
-                    dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
-                    for (int i = 0; i < mr; i++)
-                        memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));
-                }
+        for (int64_t task = 0; task < nmb * np; task++) {
+            int64_t p = task % np, m0 = task / np * mb, m1 = m0 + mb < M ? m0 + mb : M;
+            int nr = N - p * NR < NR ? (int)(N - p * NR) : NR;
+            tile_arg a;
+            float t[MR * NR];
+            pack_panel(N, K, W, ldw, p * NR, wp);
+            a.wp = wp;
+            for (int64_t m = m0; m < m1; m += MR) {
+                int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                for (int i = 0; i < MR; i++) a.x[i] = X + (m + (i < mr ? i : mr - 1)) * ldx;
+                dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
+                for (int i = 0; i < mr; i++)
+                    memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));
+            }
         }
         mb_fpenv_exit(fe);
     }
-    free(wp);
+    free(scratch);
     return 1;
 }
 

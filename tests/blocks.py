@@ -8,6 +8,12 @@ import mamba
 BLOCKS = {
     "mamba1": dict(cls=mamba.Mamba1Block, d_model=32, decode=(5, 14), splits=(1, 3, 7, 20),
                    length=24),
+    # one head; the lanes cross the chunk grid (Q = 256) before, on and after a boundary
+    "mamba2": dict(cls=mamba.Mamba2Block, d_model=32, decode=(250, 262),
+                   splits=(3, 255, 256, 300), length=520),
+    # two heads; the lanes cross the chunk grid (Q = 64) and seal chunks mid-decode
+    "mamba3": dict(cls=mamba.Mamba3Block, d_model=64, decode=(60, 70), splits=(1, 63, 64, 65),
+                   length=130),
 }
 
 
@@ -17,11 +23,15 @@ def make(name, d_model=None, seed=0, **kw):
     return spec["cls"](mamba.random_weights(name, dm, seed=seed), **kw)
 
 
-def gpu_backends():
-    """GPU backends to check against the CPU: every usable one, and an explicitly
-    requested one even if unusable (so the test fails rather than skips)."""
+def gpu_backends(block=None):
+    """GPU backends to check against the CPU: every usable one that implements
+    `block` (all of them when None), and an explicitly requested one even if
+    unusable (so the test fails rather than skips)."""
+    from mamba import _backends
     want = os.environ.get("MAMBA_BACKEND", "")
-    usable = [n for n, (ok, _) in mamba.backends().items() if ok and n != "cpu"]
-    if want in ("cuda", "hip") and want not in usable:
+    op = None if block is None else _backends._op_for(BLOCKS[block]["cls"].__name__)
+    usable = [n for n, (ok, _) in mamba.backends().items()
+              if ok and n != "cpu" and _backends.supports(_backends._get(n)[0], op)]
+    if want in ("cuda", "hip") and not mamba.backends()[want][0]:
         usable.append(want)
     return usable

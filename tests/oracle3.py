@@ -23,7 +23,7 @@ def heavy_tail(x):
     return np.where(x >= 0, 1 + np.maximum(x, 0), 1 / (1 - np.minimum(x, 0)))
 
 
-def project(w, x):
+def project(w, x, a_floor=1e-4):
     """The per-token inputs of the recurrence: z, v, q, k (biased, unrotated), dt,
     A*dt, sigmoid(trap), tanh(angle) * pi, each (B, L, ...) with heads on axis 2."""
     B, L, dm = x.shape
@@ -32,7 +32,7 @@ def project(w, x):
     zx = rmsnorm(x, w["block_norm.weight"]) @ w["in_proj.weight"].T
     o = np.cumsum([0, di, di, N, N, H, H, H, R])
     z, v, Bm, Cm, dd_dt, dd_A, trap, ang = (zx[..., a:b] for a, b in zip(o, o[1:]))
-    A = np.minimum(-heavy_tail(dd_A), -1e-4)
+    A = np.minimum(-heavy_tail(dd_A), -a_floor)
     dt = softplus(dd_dt + w["dt_bias"])
     k = rmsnorm(Bm, w["B_norm.weight"])[:, :, None, :] + w["B_bias"]
     q = rmsnorm(Cm, w["C_norm.weight"])[:, :, None, :] + w["C_bias"]
@@ -50,14 +50,15 @@ def rotate(t, theta):
     return out
 
 
-def forward(w, x, input_states=None, reports=False):
+def forward(w, x, input_states=None, reports=False, a_floor=1e-4):
     """w: dict of float64 arrays (upstream names); x (B, L, dm) -> y (B, L, dm).
 
     input_states: upstream's (angle, ssm, k, v) to start from. With reports=True
-    also returns the final (theta, h, k, v): upstream's Final_States."""
+    also returns the final (theta, h, k, v): upstream's Final_States. a_floor is
+    the floor of -A (tests set 0 to see that the floor matters)."""
     B, L, dm = x.shape
     H = 2 * dm // P
-    t = project(w, x)
+    t = project(w, x, a_floor)
     if input_states is None:
         theta = np.zeros((B, H, R))
         S = np.zeros((B, H, P, N))
@@ -86,3 +87,17 @@ def forward(w, x, input_states=None, reports=False):
     if reports:
         return y, (theta, S, k_prev, v_prev)
     return y
+
+
+def sane(w):
+    """The weights the tolerance comparison runs on: out_proj scaled by 1/8 (exact).
+
+    Upstream's unit B/C biases make q.k about 128, so at upstream-like init the mixer
+    adds about 2 (rms) to the residual, against about 0.05 for Mamba-1's random
+    weights. Any float32 evaluation (the C reference, or this recurrence run in
+    float32 numpy) then differs from float64 by a few 1e-6 absolute, which exceeds
+    atol 1e-6 where y crosses zero. Scaled, the mixer adds 0.03 to 0.4 and the
+    comparison keeps its full rtol 1e-5, atol 1e-6."""
+    out = dict(w)
+    out["out_proj.weight"] = np.asarray(w["out_proj.weight"], dtype=np.float32) * np.float32(0.125)
+    return out

@@ -5,7 +5,7 @@ import pytest
 from _util import rand, raw, time_slice, rows, concat_time, state_bytes, copy_state
 from blocks import BLOCKS, make, gpu_backends
 
-CASES = [(b, be) for b in BLOCKS for be in ["cpu"] + gpu_backends()]
+CASES = [(b, be) for b in BLOCKS for be in ["cpu"] + gpu_backends(b)]
 
 
 @pytest.fixture(params=CASES, ids=[f"{b}-{be}" for b, be in CASES])

@@ -5,14 +5,18 @@ import pytest
 
 import mamba
 import oracle1
+import oracle3
 from blocks import BLOCKS, make
 
 RTOL, ATOL = 1e-5, 1e-6
 
-ORACLES = {"mamba1": oracle1.forward}
+ORACLES = {"mamba1": oracle1.forward, "mamba3": oracle3.forward}
+# weights a block is compared on, when its random ones are not "sane inputs" (SPEC 10)
+SANE = {"mamba3": oracle3.sane}
 # (B, L, d_model) per block: L = 1, around the chunk grid, several d_model
 CASES = {
     "mamba1": [(1, 1, 16), (2, 17, 24), (3, 257, 32), (1, 64, 100)],
+    "mamba3": [(1, 1, 32), (3, 63, 64), (1, 64, 32), (3, 65, 32), (1, 129, 64), (3, 257, 64)],
 }
 
 
@@ -27,6 +31,7 @@ PARAMS = [(n, c) for n in ORACLES for c in CASES[n]]
 def test_forward_matches_float64_oracle(name, shape):
     B, L, dm = shape
     w = mamba.random_weights(name, dm, seed=L)
+    w = SANE.get(name, dict)(w)
     blk = BLOCKS[name]["cls"](w, backend="cpu")
     x = np.random.default_rng(L).standard_normal((B, L, dm)).astype(np.float32)
     y = np.asarray(blk.forward(x))

@@ -60,7 +60,7 @@ def run_digest(name, backend):
     return h.hexdigest()
 
 
-CASES = [(n, be) for n in BLOCKS for be in ["cpu"] + gpu_backends()]
+CASES = [(n, be) for n in BLOCKS for be in ["cpu"] + gpu_backends(n)]
 
 
 @pytest.mark.parametrize("name,backend", CASES, ids=[f"{n}-{b}" for n, b in CASES])

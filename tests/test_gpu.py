@@ -1,0 +1,267 @@
+"""The CUDA backend's own promises: device arrays in and out (zero-copy with torch),
+the same bits as the C reference, refusals of device inputs, stream ordering with
+torch, and the loader's reasons when no GPU is usable. The cross-backend identity
+lanes (test_identity.py) also run on every usable GPU backend.
+
+Device tests are marked gpu and skip where no GPU is usable, except when
+MAMBA_BACKEND=cuda asks for one: then they fail."""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import mamba
+from mamba import _backends, _core
+from _util import rand, raw, state_bytes, copy_state, time_slice
+from blocks import make
+
+D = 32  # d_model of the small device checks
+
+
+def cuda_or_skip():
+    ok, why = mamba.backends()["cuda"]
+    if not ok:
+        if os.environ.get("MAMBA_BACKEND") == "cuda":
+            pytest.fail(f"MAMBA_BACKEND=cuda but the CUDA backend is unusable: {why}")
+        pytest.skip(f"no usable CUDA backend: {why}")
+    return _backends._get("cuda")[0]
+
+
+@pytest.fixture
+def be():
+    return cuda_or_skip()
+
+
+@pytest.fixture
+def torch(be):
+    t = pytest.importorskip("torch")
+    if not t.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    return t
+
+
+def dev(torch, a):
+    """A host float32 buffer as a torch.cuda tensor (a copy)."""
+    return torch.frombuffer(bytearray(raw(a)), dtype=torch.float32).reshape(
+        memoryview(a).shape).cuda()
+
+
+def host_bytes(t):
+    """The bytes of a CUDA tensor or device mamba.Array."""
+    import torch
+    if isinstance(t, mamba.Array):
+        t = torch.from_dlpack(t)
+    return t.cpu().contiguous().numpy().tobytes() if hasattr(t, "numpy") else bytes(t)
+
+
+# ------------------------------------------------------------------ no GPU here
+def test_cuda_probe_gives_a_reason():
+    ok, why = mamba.backends()["cuda"]
+    assert isinstance(why, str) and why
+    if ok:
+        assert "device 0" in why and "sm_" in why
+    else:
+        with pytest.raises(RuntimeError, match="backend 'cuda' was requested but is not "
+                                               "usable: " + re.escape(why)):
+            mamba.Mamba1Block(mamba.random_weights("mamba1", D), backend="cuda")
+
+
+def test_auto_without_gpu_is_cpu():
+    if mamba.backends()["cuda"][0] or mamba.backends()["hip"][0]:
+        pytest.skip("a GPU backend is usable here")
+    env = os.environ.pop("MAMBA_BACKEND", None)
+    try:
+        assert make("mamba1").vendor_used() == "cpu"
+    finally:
+        if env is not None:
+            os.environ["MAMBA_BACKEND"] = env
+
+
+def test_device_input_without_cuda_backend_is_refused():
+    if mamba.backends()["cuda"][0]:
+        pytest.skip("the CUDA backend is usable here")
+
+    class FakeCuda:  # a CUDA array as torch would describe it; never dereferenced
+        __cuda_array_interface__ = {"shape": (1, 1, D), "typestr": "<f4", "data": (4096, False),
+                                    "version": 3, "strides": None}
+    with pytest.raises(ValueError, match="x lives on a CUDA device, but the CUDA backend "
+                                         "is not usable"):
+        make("mamba1", backend="cpu").forward(FakeCuda())
+
+
+def test_requested_cuda_without_gpu_fails_not_skips(tmp_path):
+    """With MAMBA_BACKEND=cuda and no usable GPU, the GPU tests fail."""
+    if mamba.backends()["cuda"][0]:
+        pytest.skip("the CUDA backend is usable here")
+    env = dict(os.environ, MAMBA_BACKEND="cuda")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(here, "test_gpu.py"), "-k", "device_out"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:]
+    assert "MAMBA_BACKEND=cuda but the CUDA backend is unusable" in r.stdout
+    assert "skipped" not in r.stdout.splitlines()[-1]
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+def test_device_in_device_out(be, torch):
+    """torch.cuda in -> device mamba.Array out, zero-copy into torch, CPU bits."""
+    cpu, gpu = make("mamba1", d_model=D, backend="cpu"), make("mamba1", d_model=D, backend="cuda")
+    x = rand((3, 17, D), 1)
+    st_c, st_g = cpu.allocate_state(3), cpu.allocate_state(3)
+    st_d = mamba.Mamba1State(dev(torch, st_g.conv_window), dev(torch, st_g.h))
+    y_c = cpu.forward(x, st_c)
+    y = gpu.forward(dev(torch, x), st_d)
+    assert isinstance(y, mamba.Array) and y.device == "cuda" and y.shape == (3, 17, D)
+    yt = torch.from_dlpack(y)
+    assert yt.is_cuda and yt.data_ptr() == y.ptr, "from_dlpack must not copy"
+    assert y.__cuda_array_interface__["data"][0] == y.ptr
+    assert host_bytes(yt) == raw(y_c)
+    assert host_bytes(st_d.conv_window) == raw(st_c.conv_window)
+    assert host_bytes(st_d.h) == raw(st_c.h)
+    # host in -> host out on the same block, same bits
+    y_h = gpu.forward(x)
+    assert y_h.device == "cpu" and raw(y_h) == raw(cpu.forward(x))
+
+
+@pytest.mark.gpu
+def test_device_weights_and_session(be, torch):
+    """Weights given as CUDA tensors, decode session steps on device inputs."""
+    w = mamba.random_weights("mamba1", D, seed=3)
+    cpu = mamba.Mamba1Block(w, backend="cpu")
+    gpu = mamba.Mamba1Block({k: dev(torch, v) for k, v in w.items()}, backend="cuda")
+    x = rand((2, 9, D), 2)
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    cpu.forward(time_slice(x, 0, 4), st_c)
+    gpu.forward(time_slice(x, 0, 4), st_g)
+    assert state_bytes(st_g) == state_bytes(st_c)
+    with gpu.decode_session(st_g) as sess:
+        for t in range(4, 9):
+            xt = time_slice(x, t, t + 1)
+            y = sess.step(dev(torch, xt))
+            assert y.device == "cuda"
+            assert host_bytes(y) == raw(cpu.step(xt, st_c)), f"token {t}"
+    assert state_bytes(st_g) == state_bytes(st_c)
+
+
+@pytest.mark.gpu
+def test_device_ragged_and_strided(be, torch):
+    gpu, cpu = make("mamba1", d_model=D, backend="cuda"), make("mamba1", d_model=D, backend="cpu")
+    x = rand((3, 11, D), 4)
+    lens = [11, 4, 1]
+    xt = dev(torch, x)
+    for b, n in enumerate(lens):
+        xt[b, n:] = float("nan")  # padding is never read
+    assert host_bytes(gpu.forward(xt, lengths=lens)) == raw(cpu.forward(x, lengths=lens))
+    strided = dev(torch, x).transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    assert host_bytes(gpu.forward(strided)) == raw(cpu.forward(x))
+
+
+@pytest.mark.gpu
+def test_cuda_array_interface_input(be, torch):
+    gpu, cpu = make("mamba1", d_model=D, backend="cuda"), make("mamba1", d_model=D, backend="cpu")
+    x = rand((2, 5, D), 5)
+    t = dev(torch, x)
+
+    class CaiOnly:
+        def __init__(self, t):
+            self.t = t
+            self.__cuda_array_interface__ = t.__cuda_array_interface__
+    assert host_bytes(gpu.forward(CaiOnly(t))) == raw(cpu.forward(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [8192, 8193, 3 * 8192 + 5, 4 * 8192, 5 * 8192 - 1])
+def test_gemm_leaves_match_reference(be, K):
+    """dot v1's leaves and pairwise tree (K > 8192) give the C reference's bits."""
+    M, N = 2, 20
+    X, W = rand((M, K), 10 + K % 7), rand((N, K), 20 + K % 5)
+    assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
+
+
+@pytest.mark.gpu
+def test_gemm_tiles_match_reference(be):
+    """Edges of the 128x128 tile and a K that is not a multiple of the k step."""
+    for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031)]:
+        X, W = rand((M, K), M), rand((N, K), N)
+        assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K)), (M, N, K)
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_device_dtype_refused_by_name(be, torch, dtype):
+    gpu = make("mamba1", d_model=D, backend="cuda")
+    st = gpu.allocate_state(1)
+    gpu.forward(rand((1, 2, D), 6), st)
+    before = state_bytes(st)
+    with pytest.raises(TypeError, match=f"x has dtype {dtype}; only float32"):
+        gpu.forward(torch.zeros((1, 2, D), dtype=getattr(torch, dtype), device="cuda"), st)
+    assert state_bytes(st) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_device_nonfinite_refused_with_index(be, torch, bad):
+    gpu = make("mamba1", d_model=D, backend="cuda")
+    cw, h = torch.zeros((2, 2 * D, 4), device="cuda"), torch.zeros((2, 2 * D, 16), device="cuda")
+    st = mamba.Mamba1State(cw, h)
+    gpu.forward(dev(torch, rand((2, 3, D), 7)), st)
+    before = (host_bytes(cw), host_bytes(h))
+    x = dev(torch, rand((2, 3, D), 8))
+    idx = 2 * D + 7
+    x.view(-1)[idx] = bad
+    x.view(-1)[idx + 40] = bad  # a later one is not the first
+    with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {idx}$"):
+        gpu.forward(x, st)
+    with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {idx}$"):
+        gpu.forward(x, lengths=[3, 3])
+    h.view(-1)[5] = bad
+    with pytest.raises(ValueError, match="state.h holds a non-finite value .* flat index 5$"):
+        gpu.forward(dev(torch, rand((2, 3, D), 8)), st)
+    assert host_bytes(cw) == before[0]
+
+
+@pytest.mark.gpu
+def test_device_state_must_be_contiguous(be, torch):
+    gpu = make("mamba1", d_model=D, backend="cuda")
+    h = torch.zeros((2, 16, 2 * D), device="cuda").transpose(1, 2)
+    st = mamba.Mamba1State(torch.zeros((2, 2 * D, 4), device="cuda"), h)
+    with pytest.raises(ValueError, match="state.h must be C-contiguous"):
+        gpu.forward(rand((2, 1, D), 9), st)
+
+
+@pytest.mark.gpu
+def test_device_input_refused_by_cpu_block(be, torch):
+    cpu = make("mamba1", d_model=D, backend="cpu")
+    with pytest.raises(ValueError, match="x lives on cuda:0, but the block runs on the cpu"):
+        cpu.forward(dev(torch, rand((1, 2, D), 1)))
+
+
+# ------------------------------------------------------------------ streams
+@pytest.mark.gpu
+def test_stream_order_with_torch_side_streams(be, torch):
+    """An input written late on a torch side stream is read only after it is written
+    (DLPack producer sync), and a torch side stream reading the output waits for
+    our work (DLPack consumer sync). Without either, the bits would differ."""
+    dm = 256
+    cpu, gpu = make("mamba1", d_model=dm, backend="cpu"), make("mamba1", d_model=dm, backend="cuda")
+    x = rand((4, 256, dm), 11)
+    src = dev(torch, x)
+    side = torch.cuda.Stream()
+    want = raw(cpu.forward(x))
+    xt = torch.zeros_like(src)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of spinning before the write
+        xt.copy_(src)
+        y = gpu.forward(xt)  # DLPack intake with the side stream current
+    with torch.cuda.stream(side):
+        got = torch.from_dlpack(y).clone()  # consumer on the side stream
+    side.synchronize()
+    assert got.cpu().numpy().tobytes() == want
