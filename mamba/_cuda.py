@@ -23,9 +23,11 @@ FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
 GEMM_TILE = 128      # gemm.cu: BM = BN
 GEMM_THREADS = 256
+GEMV_M, GEMV_ROWS, GEMV_THREADS = 8, 32, 128  # gemm.cu: mb_gemv_k for M <= GEMV_M
+SCAN_LANES = 4       # scan1.cu: lanes per channel
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
-KERNELS = ("mb_gemm_k", "mb_dot_fold_k", "mb_rmsnorm_k", "mb_conv_silu_k", "mb_conv_window_k",
+KERNELS = ("mb_gemm_k", "mb_gemv_k", "mb_dot_fold_k", "mb_rmsnorm_k", "mb_conv_silu_k", "mb_conv_window_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_gather_k")
 
@@ -316,16 +318,21 @@ class CudaBackend:
 
     # ------------------------------------------------------------ op launchers
     def gemm(self, sc, M, N, K, X, ldx, W, ldw, Y, ldy):
-        """Y = X . W^T under dot v1; K > 8192 runs one grid slice per leaf, then folds."""
+        """Y = X . W^T under dot v1; K > 8192 runs one grid slice per leaf, then folds.
+        A few rows (decode) take the GEMV kernel: the same chains, more blocks."""
         if M == 0 or N == 0:
             return
         P = max(1, _cdiv(K, LEAF))
-        grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE), P)
+        if M <= GEMV_M:
+            name, grid, threads = "mb_gemv_k", (_cdiv(N, GEMV_ROWS), 1, P), GEMV_THREADS
+        else:
+            name, threads = "mb_gemm_k", GEMM_THREADS
+            grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE), P)
         if P == 1:
-            self._launch("mb_gemm_k", grid, GEMM_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, 0)
+            self._launch(name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0)
             return
         parts = sc(P * M * N)
-        self._launch("mb_gemm_k", grid, GEMM_THREADS, M, N, K, X, ldx, W, ldw, parts, N, M * N)
+        self._launch(name, grid, threads, M, N, K, X, ldx, W, ldw, parts, N, M * N)
         self._launch("mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N, Y, ldy)
 
     def _offsets_for(self, sc, B, L, lengths):
@@ -392,8 +399,8 @@ class CudaBackend:
                          B, off, di, xz, 2 * di, cw)
             self.gemm(sc, M, XR, di, u, di, x_proj, di, xdbl, XR)
             self.gemm(sc, M, di, R, xdbl, XR, dt_w, R, dtp, di)
-            self._launch("mb_scan1_k", (_cdiv(di, 128), rows), 128, B, off, di, R, dtp, dt_b,
-                         u, xz, xdbl, A_log, D, h, yi)
+            self._launch("mb_scan1_k", (_cdiv(SCAN_LANES * di, 128), rows), 128,
+                         B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi)
             self.gemm(sc, M, dm, di, yi, di, out_proj, di, xn, dm)
             self._launch("mb_residual_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xn, yd)

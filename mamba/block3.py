@@ -24,7 +24,8 @@ class Mamba3State(_State):
     buffer_dt, buffer_sig, buffer_adt (B, 64, H): dt, sigmoid(trap) and A * dt rows.
     pending_k (B, H, 128), pending_v (B, H, 64): the input-state k and v of
     `set_input_states`, read only when `pending`.
-    buffered_tokens: valid buffer rows, in [0, 64]; in [1, 64] after any call.
+    buffered_tokens: valid buffer rows, in [0, 64]; in [1, 64] after any call. The
+    rows past it hold zeros.
     pending: True after `set_input_states`; the next call consumes it (and zeroes
     pending_k and pending_v).
 

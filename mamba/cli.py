@@ -29,7 +29,7 @@ def _token(x, t):
 
 
 def cmd_run(args):
-    cls = {"mamba1": mamba.Mamba1Block}[args.block]
+    cls = {"mamba1": mamba.Mamba1Block, "mamba2": mamba.Mamba2Block}[args.block]
     w = mamba.random_weights(args.block, args.d_model, seed=args.seed)
     block = cls(w, backend=args.backend)
     x = _random_input((args.batch, args.length, args.d_model), args.seed + 1)
@@ -70,7 +70,7 @@ def main(argv=None):
     run = sub.add_parser("run", help="build a block with random weights, prefill, decode, "
                          "compare bits (the default)")
     for q in (p, run):
-        q.add_argument("--block", default="mamba1", choices=["mamba1"])
+        q.add_argument("--block", default="mamba1", choices=["mamba1", "mamba2"])
         q.add_argument("--d-model", type=int, default=256)
         q.add_argument("--length", type=int, default=256)
         q.add_argument("--batch", type=int, default=1)

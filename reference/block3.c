@@ -47,9 +47,9 @@ enum {
     S_CS = S_YI + QCAP * PV,    /* dA_cs */
     S_SEG = S_CS + QCAP,        /* one row of seg */
     S_QKG = S_SEG + QCAP,       /* qk_gamma per row */
-    S_Q = S_QKG + QCAP,         /* unrotated q, k of one token */
-    S_K = S_Q + NQK,
-    S_TOTAL = S_K + NQK
+    S_QB = S_QKG + QCAP,        /* biased, unrotated q and k of the segment's rows */
+    S_KB = S_QB + QCAP * NQK,
+    S_TOTAL = S_KB + QCAP * NQK
 };
 
 typedef struct {
@@ -199,46 +199,75 @@ static void fold(const m3_head *hv, int64_t n, float beta_last, const float *hT,
         out[i] = fmaf(e, hT[i], ST[i]);
 }
 
-/* Token tok (packed index) of head h into buffer row i: the angle step, the biased
- * and rotated q and k, v, dt, sig, A*dt and qk_gamma. */
-static void put_row(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok, int64_t i,
-                    float *theta, float *s)
+/* Tokens [tok0, tok0 + n) of head h into buffer rows [i0, i0 + n): the angle steps,
+ * the biased and rotated q and k, v, dt, sig, A*dt and qk_gamma. */
+static void put_rows(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok0, int64_t i0,
+                     int64_t n, float *theta, float *s)
 {
     const int64_t H = c->H;
-    const float dt = c->dt[tok * H + h], sg = c->sig[tok * H + h];
-    const float *ta = c->ta + tok * NA;
-    float cs[NA], sn[NA];
-    for (int r = 0; r < NA; r++) {
-#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
-        theta[r] = theta[r] + ta[r] * dt;
-#else
-        theta[r] = mb_mod2pi(theta[r] + ta[r] * dt);
-#endif
-        cs[r] = mb_cos(theta[r]);
-        sn[r] = mb_sin(theta[r]);
+    /* z and x rows are one stride of in_proj apart: too far for the hardware prefetcher */
+    for (int64_t i = 0; i < n; i++) {
+        const float *r = c->zx + (tok0 + i) * c->dip + h * PV;
+        for (int l = 0; l < PV; l += 16) {
+            __builtin_prefetch(r + l);
+            __builtin_prefetch(r + c->di + l);
+        }
     }
-    float *q = s + S_Q, *k = s + S_K;
-    const float *Cn = c->Cn + tok * NQK, *Bn = c->Bn + tok * NQK;
+    float *Qb = s + S_QB, *Kb = s + S_KB;
     const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
-    for (int n = 0; n < NQK; n++) {
-        q[n] = Cn[n] + Cb[n];
-        k[n] = Bn[n] + Bb[n];
+    for (int64_t i = 0; i < n; i++) {
+        const float *Cn = c->Cn + (tok0 + i) * NQK, *Bn = c->Bn + (tok0 + i) * NQK;
+        for (int m = 0; m < NQK; m++) {
+            Qb[i * NQK + m] = Cn[m] + Cb[m];
+            Kb[i * NQK + m] = Bn[m] + Bb[m];
+        }
     }
-    s[S_QKG + i] = mb_dot(NQK, q, 1, k, 1) * (dt * sg);
-    float *qo = hv->q + i * hv->qs, *ko = hv->k + i * hv->qs;
-    for (int r = 0; r < NA; r++) {
-        const float q0 = q[2 * r], q1 = q[2 * r + 1], k0 = k[2 * r], k1 = k[2 * r + 1];
-        qo[2 * r] = (q0 * cs[r]) - (q1 * sn[r]);
-        qo[2 * r + 1] = (q0 * sn[r]) + (q1 * cs[r]);
-        ko[2 * r] = (k0 * cs[r]) - (k1 * sn[r]);
-        ko[2 * r + 1] = (k0 * sn[r]) + (k1 * cs[r]);
+    /* qk_gamma = dot(q, k) * gamma: eight tokens' chains in flight (rows past n are
+     * scratch, their results unused) */
+    for (int64_t a = 0; a < n; a += 8) {
+        float acc[8] = {0.0f};
+        for (int m = 0; m < NQK; m++)
+            for (int u = 0; u < 8; u++)
+                acc[u] = fmaf(Qb[(a + u) * NQK + m], Kb[(a + u) * NQK + m], acc[u]);
+        for (int u = 0; u < 8 && a + u < n; u++) {
+            const int64_t t = (tok0 + a + u) * H + h;
+            s[S_QKG + i0 + a + u] = acc[u] * (c->dt[t] * c->sig[t]);
+        }
     }
-    memcpy(qo + 2 * NA, q + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-    memcpy(ko + 2 * NA, k + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-    memcpy(hv->v + i * hv->vs, c->zx + tok * c->dip + c->di + h * PV, PV * sizeof(float));
-    hv->dt[i * hv->ss] = dt;
-    hv->sig[i * hv->ss] = sg;
-    hv->adt[i * hv->ss] = c->adt[tok * H + h];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t tok = tok0 + i, row = i0 + i;
+        const float dt = c->dt[tok * H + h];
+        const float *ta = c->ta + tok * NA;
+        float cs[NA], sn[NA];
+        for (int r = 0; r < NA; r++) {
+#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
+            theta[r] = theta[r] + ta[r] * dt;
+#else
+            theta[r] = mb_mod2pi(theta[r] + ta[r] * dt);
+#endif
+            cs[r] = mb_cos(theta[r]);
+            sn[r] = mb_sin(theta[r]);
+        }
+        const float *q = Qb + i * NQK, *k = Kb + i * NQK;
+        float *qo = hv->q + row * hv->qs, *ko = hv->k + row * hv->qs;
+        for (int r = 0; r < NA; r++) {
+            const float q0 = q[2 * r], q1 = q[2 * r + 1], k0 = k[2 * r], k1 = k[2 * r + 1];
+            qo[2 * r] = (q0 * cs[r]) - (q1 * sn[r]);
+            qo[2 * r + 1] = (q0 * sn[r]) + (q1 * cs[r]);
+            ko[2 * r] = (k0 * cs[r]) - (k1 * sn[r]);
+            ko[2 * r + 1] = (k0 * sn[r]) + (k1 * cs[r]);
+        }
+        memcpy(qo + 2 * NA, q + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+        memcpy(ko + 2 * NA, k + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+        memcpy(hv->v + row * hv->vs, c->zx + tok * c->dip + c->di + h * PV, PV * sizeof(float));
+        hv->dt[row * hv->ss] = dt;
+        hv->sig[row * hv->ss] = c->sig[tok * H + h];
+        hv->adt[row * hv->ss] = c->adt[tok * H + h];
+    }
+#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
+    for (int r = 0; r < NA; r++)
+        theta[r] = mb_mod2pi(theta[r]);
+#endif
 }
 
 #define UP16(n) (((n) + 15) & ~(int64_t)15)
@@ -301,6 +330,17 @@ static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0,
     }
 }
 
+/* Rows past buffered_tokens hold zeros, so a state's bytes are canonical. */
+static void clear_rows(const m3_head *hv)
+{
+    for (int64_t j = 0; j < QCAP; j++) {
+        memset(hv->q + j * hv->qs, 0, NQK * sizeof(float));
+        memset(hv->k + j * hv->qs, 0, NQK * sizeof(float));
+        memset(hv->v + j * hv->vs, 0, PV * sizeof(float));
+        hv->dt[j * hv->ss] = hv->sig[j * hv->ss] = hv->adt[j * hv->ss] = 0.0f;
+    }
+}
+
 /* Row b, head h over its len tokens starting at packed index tok0. */
 static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_t len, float *s)
 {
@@ -332,15 +372,11 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         if (nb == CQ) {
             const int64_t tok = tok0 + t;
             fold(&hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]), hT, hT, s);
+            clear_rows(&hv);
             nb = 0;
         }
         const int64_t n = len - t < CQ - nb ? len - t : CQ - nb;
-        for (int64_t i = 0; i < n; i++)
-            put_row(c, &hv, h, tok0 + t + i, nb + i, theta, s);
-#ifdef MB_SABOTAGE_ANGLE_PER_CHUNK
-        for (int r = 0; r < NA; r++)
-            theta[r] = mb_mod2pi(theta[r]);
-#endif
+        put_rows(c, &hv, h, tok0 + t, nb, n, theta, s);
         chunk_out(c, &hv, h, nb, nb + n, tok0 + t, hT, s);
         nb += n;
         t += n;
@@ -382,7 +418,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     nth = omp_get_max_threads();
 #endif
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
-    float *scr = malloc((size_t)nth * S_TOTAL * sizeof(float));
+    float *scr = calloc((size_t)nth * S_TOTAL, sizeof(float)); /* finite scratch rows */
     if (!off || !scr) {
         free(off);
         free(scr);

@@ -2,10 +2,10 @@
  * from +0 over each leaf of 8192 k, leaves joined by the pairwise tree. Vectors run
  * across outputs only, never across k, so the base and v3 copies give the same bits.
  *
- * Two paths. Large M: W is packed once per call into 16-column panels (k-major), and
- * a 6x16 register tile (12 accumulators) broadcasts X and streams a panel; tasks are
- * (row block, panel block) pairs. Small M (decode): a GEMV that reads W rows in
- * place, transposing 8x8 blocks in registers, 32 rows x M chains in flight. */
+ * Two paths. Large M: a task packs one 16-row panel of W transposed (k-major) and
+ * runs a block of X rows past it in 6x16 register tiles (12 accumulators, X
+ * broadcast). Small M (decode): a GEMV that reads W rows in place, transposing 8x8
+ * blocks in registers, four chains in flight. Both share W's rows between threads. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,7 +23,7 @@
 #define GM 4       /* small path: at most GM rows of X ... */
 #define GR 32      /* ... by GR rows of W per tile */
 #define SMALL_M 4  /* M up to this takes the GEMV path */
-#define MIN_PAR (1 << 18) /* multiply-adds below which a second thread costs more than it gives */
+#define MIN_PAR (1 << 16) /* multiply-adds below which a second thread costs more than it gives */
 
 typedef void (*leaf_fn)(const void *arg, int64_t k0, int64_t kl, float *t);
 
@@ -99,8 +99,8 @@ static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
 }
 
 #ifdef MB_SIMD
-/* r[0..7] hold 8 floats of rows 0..7 (row i: lo half r[i&3], hi half r[4+(i&3)]
- * after the 128-bit interleave done by the loaders); out v[j] = column j. */
+/* 4x4 transposes in both 128-bit lanes at once: v[j] = (r0[j], r1[j], r2[j], r3[j])
+ * in each lane. */
 static inline void tr8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 *v)
 {
     __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
@@ -143,7 +143,7 @@ static void pack_panel(int64_t N, int64_t K, const float *W, int64_t ldw, int64_
 #ifdef MB_SIMD
     for (; k + 16 <= K; k += 16) /* whole cache lines of each row, as in the GEMV */
         for (int h = 0; h < NR; h += 8)
-            for (int kk = k; kk < k + 16; kk += 8) {
+            for (int64_t kk = k; kk < k + 16; kk += 8) {
                 __m256 v[8];
                 load_tr8(row + h, kk, v);
                 for (int j = 0; j < 8; j++) _mm256_store_ps(wp + (kk + j) * NR + h, v[j]);
@@ -267,7 +267,7 @@ static void gemm_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
 #pragma omp parallel if (M * N * K >= MIN_PAR)
     {
         mb_fpenv fe = mb_fpenv_enter();
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided) /* other loads may hold a core: balance late */
         for (int64_t g = 0; g < ng; g++) {
             int64_t n0 = g * GR;
             int nr = N - n0 < GR ? (int)(N - n0) : GR;

@@ -87,10 +87,10 @@ typedef struct {
     const float *out_proj; /* (dm, di) */
 } mb_m3_weights;
 
-/* The working chunk (rows [0, buffered_tokens) of the buffers) is the chunk of the
- * absolute grid holding the last token; h is the state entering it. pending: fold
- * (pending_v * pending_k) * (dt * (1 - sig)) of the next first token into h
- * (upstream Input_States; needs buffered_tokens == 0). */
+/* The working chunk (rows [0, buffered_tokens) of the buffers, zeros after) is the
+ * chunk of the absolute grid holding the last token; h is the state entering it.
+ * pending: fold (pending_v * pending_k) * (dt * (1 - sig)) of the next first token
+ * into h (upstream Input_States; needs buffered_tokens == 0). */
 typedef struct {
     float *theta;       /* (B, H, 32) rotary angles */
     float *h;           /* (B, H, 64, 128) */

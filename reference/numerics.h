@@ -4,9 +4,10 @@
  * vendor intrinsic, so every compiler and device produces the same bits.
  *
  * Elementwise functions are branch-free (both sides computed, then selected) so
- * that gcc -O3 -march=x86-64-v3 vectorises loops that call them. Constants are
- * decimal literals that round to the spec's float32 values; the bit-specified
- * ones are written as their exact decimal expansion. */
+ * that gcc -O3 -march=x86-64-v3 vectorises loops that call them; mb_sqrt/mb_rsqrt
+ * also need -fno-math-errno and mb_mod2pi (floorf) -fno-trapping-math, which the
+ * build sets. Constants are decimal literals that round to the spec's float32
+ * values; the bit-specified ones are written as their exact decimal expansion. */
 #ifndef MB_NUMERICS_H
 #define MB_NUMERICS_H
 

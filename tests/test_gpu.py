@@ -176,10 +176,12 @@ def test_cuda_array_interface_input(be, torch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K", [8192, 8193, 3 * 8192 + 5, 4 * 8192, 5 * 8192 - 1])
-def test_gemm_leaves_match_reference(be, K):
-    """dot v1's leaves and pairwise tree (K > 8192) give the C reference's bits."""
-    M, N = 2, 20
+@pytest.mark.parametrize("M,K", [(2, 8192), (2, 8193), (2, 3 * 8192 + 5), (2, 4 * 8192),
+                                 (2, 5 * 8192 - 1), (130, 8193), (130, 3 * 8192 + 5)])
+def test_gemm_leaves_match_reference(be, M, K):
+    """dot v1's leaves and pairwise tree (K > 8192) give the C reference's bits, on
+    the GEMV (M <= 8) and the tiled path."""
+    N = 20
     X, W = rand((M, K), 10 + K % 7), rand((N, K), 20 + K % 5)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
 
@@ -187,7 +189,7 @@ def test_gemm_leaves_match_reference(be, K):
 @pytest.mark.gpu
 def test_gemm_tiles_match_reference(be):
     """Edges of the 128x128 tile and a K that is not a multiple of the k step."""
-    for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031)]:
+    for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (8, 33, 300), (9, 40, 129)]:
         X, W = rand((M, K), M), rand((N, K), N)
         assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K)), (M, N, K)
 

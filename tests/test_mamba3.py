@@ -7,6 +7,7 @@ import pytest
 
 import mamba
 import oracle3
+import spec3
 from _util import raw, state_bytes, copy_state
 
 DM = 64
@@ -18,6 +19,8 @@ TWO_PI32 = float(np.float32(2 * np.pi))
 def as64(a):
     if isinstance(a, dict):
         return {k: as64(v) for k, v in a.items()}
+    if isinstance(a, tuple):
+        return tuple(as64(v) for v in a)
     return np.asarray(a, dtype=np.float64)
 
 
@@ -52,6 +55,43 @@ def assert_reports_close(got, want):
     assert dth.max() <= 1e-5 * 2 * np.pi, f"theta off by {dth.max()}"
     for name, a, b in zip(("h", "k", "v"), rest, wrest):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-5 * np.abs(b).max(), err_msg=name)
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint32)
+
+
+# ------------------------------------------------------------------ the spec, literally
+
+@pytest.mark.parametrize("given", [False, True], ids=["fresh", "input-states"])
+def test_matches_spec_run_literally(given):
+    """Two rows (two heads each) over two chunk seals, angles wrapping: output, every
+    state piece, buffered_tokens and every report equal a numpy float32 execution of
+    SPEC 7, bit for bit; with input states too."""
+    w = {k: np.asarray(v) for k, v in mamba.random_weights("mamba3", DM, seed=8).items()}
+    w["in_proj.weight"] = w["in_proj.weight"].copy()
+    w["in_proj.weight"][rows()["angle"]] *= 8
+    B, L = 2, 130
+    x = inputs(B, L, 9)
+    blk = mamba.Mamba3Block(w, backend="cpu")
+    st = blk.allocate_state(B)
+    start = None
+    if given:
+        blk.forward(inputs(B, 20, 10))
+        start = reports(blk)
+        st.set_input_states(*start)
+    y = blk.forward(x, st)
+    got_rep = (blk.h_last_, blk.k_last_, blk.v_last_, blk.theta_last_)
+    for b in range(B):
+        one = None if start is None else tuple(a[b] for a in start)
+        want_y, want_state, want_n, want_rep = spec3.row(w, x[b], one)
+        assert (bits(y)[b] == bits(want_y)).all(), f"row {b}: y"
+        for name, got, want in zip(st._PIECES, st.pieces(), want_state):
+            assert (bits(got)[b] == bits(want)).all(), f"row {b}: state.{name}"
+        for name, got, want in zip(("h_last_", "k_last_", "v_last_", "theta_last_"), got_rep,
+                                   want_rep):
+            assert (bits(got)[b] == bits(want)).all(), f"row {b}: {name}"
+    assert st.buffered_tokens == want_n and st.pending is False
 
 
 # ------------------------------------------------------------------ input states
@@ -98,7 +138,7 @@ def test_input_states_decode_equals_prefill():
     b.set_input_states(*given)
     y = blk.forward(x[:, 40:], a)
     for t in range(40, 70):
-        assert raw(blk.step(x[:, t:t + 1], b)) == raw(np.asarray(y)[:, t - 40:t - 39]), t
+        assert raw(blk.step(x[:, t:t + 1], b)) == raw(np.ascontiguousarray(np.asarray(y)[:, t - 40:t - 39])), t
     assert state_bytes(a) == state_bytes(b)
 
 

@@ -5,17 +5,19 @@ import pytest
 
 import mamba
 import oracle1
+import oracle2
 import oracle3
 from blocks import BLOCKS, make
 
 RTOL, ATOL = 1e-5, 1e-6
 
-ORACLES = {"mamba1": oracle1.forward, "mamba3": oracle3.forward}
+ORACLES = {"mamba1": oracle1.forward, "mamba2": oracle2.forward, "mamba3": oracle3.forward}
 # weights a block is compared on, when its random ones are not "sane inputs" (SPEC 10)
 SANE = {"mamba3": oracle3.sane}
 # (B, L, d_model) per block: L = 1, around the chunk grid, several d_model
 CASES = {
     "mamba1": [(1, 1, 16), (2, 17, 24), (3, 257, 32), (1, 64, 100)],
+    "mamba2": [(1, 1, 32), (3, 255, 64), (1, 256, 96), (3, 257, 32), (1, 513, 64), (3, 770, 32)],
     "mamba3": [(1, 1, 32), (3, 63, 64), (1, 64, 32), (3, 65, 32), (1, 129, 64), (3, 257, 64)],
 }
 

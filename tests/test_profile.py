@@ -14,6 +14,8 @@ from blocks import BLOCKS, gpu_backends
 
 DIGESTS = {
     "mamba1": "6201969f265f9eca766435c0188627c343456198553f2ecf2c443d4921ddf718",
+    "mamba3": "4c2e4bb8f0c0e4adbe6047891029cd9be8f3d9e6afe19687f7b066e73f80d7c6",
+    "mamba2": "c46f75b93155a61b3c89406d71d52cda6db1f3a013f093f942fb634e049d616b",
 }
 
 

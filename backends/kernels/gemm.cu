@@ -5,7 +5,8 @@
  * the serial chain of dot v1 whatever the tile or grid. Terms past K are skipped
  * (the last tile's loop stops at K), never multiplied by a zero pad: a pad could
  * turn an accumulated -0 into +0. For K > 8192, blockIdx.z is the leaf: each leaf
- * writes its chains to its own slice and mb_dot_fold_k joins them. */
+ * writes its chains to its own slice and mb_dot_fold_k joins them. mb_gemv_k is the
+ * same chains for a few rows of X (decode). */
 #include "vendor.h"
 #include "numerics.h"
 
@@ -101,6 +102,66 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     }
 }
 
+/* Small M (decode): one thread per output column n keeps the chains of all M rows
+ * (at most GV_M); W rows are staged through shared memory in chunks of GV_K k,
+ * loaded coalesced by the whole block, the next chunk in flight while the first
+ * warp walks the current one. Same grid-z leaves as mb_gemm_k. */
+#define GV_M 8
+#define GV_ROWS 32
+#define GV_K 128
+#define GV_THREADS 128
+#define GV_LOADS (GV_ROWS * GV_K / GV_THREADS)
+
+MB_KERNEL void MB_BOUNDS(GV_THREADS)
+mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
+          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf)
+{
+    __shared__ float Ws[GV_K][GV_ROWS + 1];
+    __shared__ float Xs[GV_M][GV_K];
+    const int tid = threadIdx.x, lane = tid % 32, wq = tid / 32;
+    const int64_t n0 = (int64_t)blockIdx.x * GV_ROWS;
+    const int64_t k0 = (int64_t)blockIdx.z * MB_DOT_LEAF;
+    const int64_t k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
+    Y += (int64_t)blockIdx.z * ldleaf;
+    /* Loader: load j takes row j of the chunk, k = wq * 32 + lane (a warp reads 32
+     * consecutive floats of one row); rows past N read row 0, never stored. */
+    float rw[GV_LOADS];
+#define MB_GV_LOAD(kt)                                                                \
+    _Pragma("unroll") for (int j = 0; j < GV_LOADS; j++) {                          \
+        const int64_t r = n0 + j, k = (kt) + wq * 32 + lane;                         \
+        rw[j] = k < k1 ? W[(r < N ? r : 0) * ldw + k] : 0.0f;                        \
+    }
+    float acc[GV_M];
+#pragma unroll
+    for (int m = 0; m < GV_M; m++) acc[m] = 0.0f;
+    if (k0 < k1) MB_GV_LOAD(k0)
+    for (int64_t kt = k0; kt < k1; kt += GV_K) {
+#pragma unroll
+        for (int j = 0; j < GV_LOADS; j++) Ws[wq * 32 + lane][j] = rw[j];
+        for (int i = tid; i < GV_M * GV_K; i += GV_THREADS) {
+            const int m = i / GV_K, kk = i % GV_K;
+            Xs[m][kk] = m < M && kt + kk < k1 ? X[m * ldx + kt + kk] : 0.0f;
+        }
+        __syncthreads();
+        if (kt + GV_K < k1) MB_GV_LOAD(kt + GV_K)
+        if (wq == 0) {
+            const int kn = k1 - kt < GV_K ? (int)(k1 - kt) : GV_K;
+            for (int kk = 0; kk < kn; kk++) {
+                const float w = Ws[kk][lane];
+#pragma unroll
+                for (int m = 0; m < GV_M; m++) acc[m] = fmaf(Xs[m][kk], w, acc[m]);
+            }
+        }
+        __syncthreads();
+    }
+#undef MB_GV_LOAD
+    const int64_t n = n0 + lane;
+    if (wq == 0 && n < N)
+#pragma unroll
+        for (int m = 0; m < GV_M; m++)
+            if (m < M) Y[m * ldy + n] = acc[m];
+}
+
 /* Join P leaf results per output as mb_dot does: equal-sized neighbours merge as
  * the leaves arrive, then the stack folds from the top (the level-by-level
  * adjacent pairing with an odd last node carried up). parts[p * ldp + m * N + n]. */
@@ -131,3 +192,8 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
 #undef BN
 #undef BK
 #undef THREADS
+#undef GV_M
+#undef GV_ROWS
+#undef GV_K
+#undef GV_THREADS
+#undef GV_LOADS

@@ -14,6 +14,13 @@
 #define MB_BOUNDS(threads) __launch_bounds__(threads)
 #define MB_DEV static __device__ __forceinline__
 
+/* v from lane src of each aligned group of width lanes (every lane must take part). */
+#if defined(__HIPCC__)
+#define MB_SHFL(v, src, width) __shfl((v), (src), (width))
+#else
+#define MB_SHFL(v, src, width) __shfl_sync(0xffffffffu, (v), (src), (width))
+#endif
+
 /* First index of a grid-stride loop over n items in x, and its stride. */
 #define MB_GRID_LOOP(i, n)                                                          \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);       \

@@ -1,0 +1,144 @@
+"""Mamba3Block.forward on the CPU (the C reference, identical profile) against a plain
+torch float32 eager implementation of the same block, timed in one run.
+
+The torch side is bench-only code written from upstream's mamba3_siso_fwd_ref
+(state-spaces/mamba tests/ops/triton/test_mamba3_siso.py) and Mamba3.forward, with
+the quadratic form evaluated per chunk of 64 and the chunk states passed as in
+ssd_minimal. It agrees with the block to float32 rounding (printed as a check).
+
+    python bench/cpu_mamba3.py [--batch 1 --length 2048 --d-model 384 --repeat 7]
+
+Prints a markdown row for docs/performance.md. Timings on a busy machine are
+indicative only.
+"""
+import argparse
+import math
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import mamba
+
+N, P, R, Q = 128, 64, 32, 64
+
+
+def rmsnorm(t, w):
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+
+def rotate(t, cos, sin):
+    """Rotate the interleaved pairs (2j, 2j+1), j < 32, of t (..., 128)."""
+    pairs = t.view(*t.shape[:-1], N // 2, 2)
+    a, b = pairs[..., :R, 0], pairs[..., :R, 1]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return torch.cat([rot.flatten(-2), t[..., 2 * R:]], dim=-1)
+
+
+def segsum(x):
+    """exp-ready segment sums over the last axis: out[..., i, j] = sum x[j+1..i], -inf
+    above the diagonal."""
+    T = x.shape[-1]
+    cs = torch.cumsum(x, dim=-1)
+    out = cs[..., :, None] - cs[..., None, :]
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=x.device))
+    return out.masked_fill(~mask, -torch.inf)
+
+
+def torch_block(w, x):
+    """The Mamba-3 SISO block in torch float32, chunk size 64 (L a multiple of 64)."""
+    B, L, dm = x.shape
+    di = 2 * dm
+    H = di // P
+    C = L // Q
+    zx = rmsnorm(x, w["block_norm.weight"]) @ w["in_proj.weight"].T
+    z, v, Bm, Cm, dd_dt, dd_A, trap, ang = torch.split(zx, [di, di, N, N, H, H, H, R], -1)
+    A = -(dd_A.clamp_min(0) + torch.reciprocal(1 - dd_A.clamp_max(0)))  # heavy tail
+    A = A.clamp(max=-1e-4)
+    dt = F.softplus(dd_dt + w["dt_bias"])                                # (B, L, H)
+    adt = A * dt
+    sig = torch.sigmoid(trap)
+    k = rmsnorm(Bm, w["B_norm.weight"])[:, :, None, :] + w["B_bias"]     # (B, L, H, N)
+    q = rmsnorm(Cm, w["C_norm.weight"])[:, :, None, :] + w["C_bias"]
+    theta = torch.cumsum(torch.tanh(ang)[:, :, None, :] * math.pi * dt[..., None], dim=1)
+    theta = theta - 2 * math.pi * torch.floor(theta / (2 * math.pi))
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    dt_next = F.pad(dt[:, 1:], (0, 0, 0, 1))
+    sig_next = F.pad(sig[:, 1:], (0, 0, 0, 1))
+    shifted = dt_next * (1 - sig_next)
+    scale = dt * sig + shifted
+    qk_dot = (q * k).sum(-1) * shifted
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    ks = k * scale[..., None]
+    v = v.reshape(B, L, H, P)
+    # chunked quadratic form
+    qc, kc, vc = (t.reshape(B, C, Q, H, -1) for t in (q, ks, v))
+    a = adt.reshape(B, C, Q, H).permute(0, 3, 1, 2)                      # (B, H, C, Q)
+    cs = torch.cumsum(a, dim=-1)
+    G = torch.einsum("bclhn,bcshn->bhcls", qc, kc) * torch.exp(segsum(a))
+    y = torch.einsum("bhcls,bcshp->bclhp", G, vc)
+    decay = torch.exp(cs[..., -1:] - cs)                                 # (B, H, C, Q)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", kc, decay, vc)
+    chunk_decay = torch.exp(segsum(F.pad(cs[..., -1], (1, 0))))          # (B, H, C+1, C+1)
+    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
+    entering = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", qc, entering, torch.exp(cs))
+    y = y.reshape(B, L, H, P)
+    y = y + w["D"][:, None] * v - v * qk_dot[..., None]
+    y = y.reshape(B, L, di) * F.silu(z)
+    return x + y @ w["out_proj.weight"].T
+
+
+def timed(fn, repeat):
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+    B, L, dm = args.batch, args.length, args.d_model
+    if L % Q:
+        p.error("--length must be a multiple of 64 (the torch side does not pad)")
+    w = mamba.random_weights("mamba3", dm, seed=0)
+    blk = mamba.Mamba3Block(w, backend="cpu")
+    x = np.random.default_rng(0).standard_normal((B, L, dm)).astype(np.float32)
+    tw = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
+    tx = torch.from_numpy(x)
+
+    with torch.inference_mode():
+        ref = torch_block(tw, tx).numpy()
+        t_torch = timed(lambda: torch_block(tw, tx), args.repeat)
+    y = np.asarray(blk.forward(x))
+    t_ours = timed(lambda: blk.forward(x), args.repeat)
+    err = float(np.abs(y - ref).max() / np.abs(ref).max())
+
+    print(f"check: max |mamba - torch| / max |torch| = {err:.1e}")
+    print(f"mamba Mamba3Block.forward (identical, C):  {1e3 * t_ours:8.1f} ms")
+    print(f"torch eager float32 ({torch.__version__}):  {1e3 * t_torch:8.1f} ms")
+    print(f"threads: OpenMP {os.environ.get('OMP_NUM_THREADS', 'default')}, "
+          f"torch {torch.get_num_threads()}, cores {os.cpu_count()}")
+    print()
+    print("| block | shape (B, L, d_model) | mamba identical (C) | torch eager fp32 | "
+          "speed-up | machine |")
+    print("|---|---|---|---|---|---|")
+    print(f"| Mamba-3 SISO forward | ({B}, {L}, {dm}) | {1e3 * t_ours:.1f} ms | "
+          f"{1e3 * t_torch:.1f} ms | {t_torch / t_ours:.2f}x | {os.cpu_count()} cores, "
+          f"{platform.processor() or platform.machine()} |")
+
+
+if __name__ == "__main__":
+    main()
