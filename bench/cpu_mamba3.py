@@ -8,8 +8,9 @@ ssd_minimal. It agrees with the block to float32 rounding (printed as a check).
 
     python bench/cpu_mamba3.py [--batch 1 --length 2048 --d-model 384 --repeat 7]
 
-Prints a markdown row for docs/performance.md. Timings on a busy machine are
-indicative only.
+Also times one decode step (a session and a plain step) against the torch step
+written from upstream's mamba3_siso_step_ref. Prints markdown rows for
+docs/performance.md. Timings on a busy machine are indicative only.
 """
 import argparse
 import math
@@ -93,6 +94,34 @@ def torch_block(w, x):
     return x + y @ w["out_proj.weight"].T
 
 
+def torch_step(w, x, st):
+    """One token x (B, d_model) of the same block from upstream's mamba3_siso_step_ref;
+    st = [theta (B,H,32), S (B,H,64,128), k (B,H,128), v (B,H,64)] is updated."""
+    B, dm = x.shape
+    di = 2 * dm
+    H = di // P
+    zx = rmsnorm(x, w["block_norm.weight"]) @ w["in_proj.weight"].T
+    z, v, Bm, Cm, dd_dt, dd_A, trap, ang = torch.split(zx, [di, di, N, N, H, H, H, R], -1)
+    A = (-(dd_A.clamp_min(0) + torch.reciprocal(1 - dd_A.clamp_max(0)))).clamp(max=-1e-4)
+    dt = F.softplus(dd_dt + w["dt_bias"])
+    sig = torch.sigmoid(trap)
+    k = rmsnorm(Bm, w["B_norm.weight"])[:, None, :] + w["B_bias"]
+    q = rmsnorm(Cm, w["C_norm.weight"])[:, None, :] + w["C_bias"]
+    theta = st[0] + torch.tanh(ang)[:, None, :] * math.pi * dt[..., None]
+    theta = theta - 2 * math.pi * torch.floor(theta / (2 * math.pi))
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    v = v.reshape(B, H, P)
+    alpha = torch.exp(A * dt)
+    beta, gamma = (1 - sig) * dt * alpha, sig * dt
+    S = (alpha[..., None, None] * st[1]
+         + beta[..., None, None] * (st[3][..., :, None] * st[2][..., None, :])
+         + gamma[..., None, None] * (v[..., :, None] * k[..., None, :]))
+    y = torch.einsum("bhpn,bhn->bhp", S, q) + w["D"][:, None] * v
+    st[:] = [theta, S, k, v]
+    return x + (y.reshape(B, di) * F.silu(z)) @ w["out_proj.weight"].T
+
+
 def timed(fn, repeat):
     fn()
     ts = []
@@ -103,41 +132,66 @@ def timed(fn, repeat):
     return statistics.median(ts)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--repeat", type=int, default=7)
-    args = p.parse_args()
-    B, L, dm = args.batch, args.length, args.d_model
-    if L % Q:
-        p.error("--length must be a multiple of 64 (the torch side does not pad)")
+def forward_row(B, L, dm, repeat):
     w = mamba.random_weights("mamba3", dm, seed=0)
     blk = mamba.Mamba3Block(w, backend="cpu")
     x = np.random.default_rng(0).standard_normal((B, L, dm)).astype(np.float32)
     tw = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
     tx = torch.from_numpy(x)
-
     with torch.inference_mode():
         ref = torch_block(tw, tx).numpy()
-        t_torch = timed(lambda: torch_block(tw, tx), args.repeat)
+        t_torch = timed(lambda: torch_block(tw, tx), repeat)
     y = np.asarray(blk.forward(x))
-    t_ours = timed(lambda: blk.forward(x), args.repeat)
+    t_ours = timed(lambda: blk.forward(x), repeat)
     err = float(np.abs(y - ref).max() / np.abs(ref).max())
+    print(f"check: forward, max |mamba - torch| / max |torch| = {err:.1e}")
+    return (f"| Mamba3Block.forward B={B} L={L} d_model={dm} | {1e3 * t_ours:.1f} ms | "
+            f"{1e3 * t_torch:.1f} ms | {t_torch / t_ours:.1f}x |")
 
-    print(f"check: max |mamba - torch| / max |torch| = {err:.1e}")
-    print(f"mamba Mamba3Block.forward (identical, C):  {1e3 * t_ours:8.1f} ms")
-    print(f"torch eager float32 ({torch.__version__}):  {1e3 * t_torch:8.1f} ms")
-    print(f"threads: OpenMP {os.environ.get('OMP_NUM_THREADS', 'default')}, "
-          f"torch {torch.get_num_threads()}, cores {os.cpu_count()}")
-    print()
-    print("| block | shape (B, L, d_model) | mamba identical (C) | torch eager fp32 | "
-          "speed-up | machine |")
-    print("|---|---|---|---|---|---|")
-    print(f"| Mamba-3 SISO forward | ({B}, {L}, {dm}) | {1e3 * t_ours:.1f} ms | "
-          f"{1e3 * t_torch:.1f} ms | {t_torch / t_ours:.2f}x | {os.cpu_count()} cores, "
-          f"{platform.processor() or platform.machine()} |")
+
+def decode_row(dm, repeat):
+    w = mamba.random_weights("mamba3", dm, seed=0)
+    blk = mamba.Mamba3Block(w, backend="cpu")
+    rng = np.random.default_rng(1)
+    prompt = rng.standard_normal((1, 60, dm)).astype(np.float32)
+    tok = rng.standard_normal((1, 1, dm)).astype(np.float32)
+    st = blk.allocate_state(1)
+    blk.forward(prompt, st)
+    tw = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
+    H = 2 * dm // P
+    tst = [torch.zeros(1, H, R), torch.zeros(1, H, P, N), torch.zeros(1, H, N),
+           torch.zeros(1, H, P)]
+    tt = torch.from_numpy(tok[:, 0])
+    with torch.inference_mode():
+        for t in range(60):
+            torch_step(tw, torch.from_numpy(prompt[:, t]), tst)
+        t_torch = timed(lambda: torch_step(tw, tt, tst), repeat)
+    with blk.decode_session(st) as s:
+        t_sess = timed(lambda: s.step(tok), repeat)
+    t_step = timed(lambda: blk.step(tok, st), repeat)
+    return (f"| Mamba3 decode step d_model={dm} B=1 (session / step) | {1e3 * t_sess:.3f} / "
+            f"{1e3 * t_step:.3f} ms | {1e3 * t_torch:.3f} ms | {t_torch / t_sess:.1f}x |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--decode-d-model", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=7)
+    args = p.parse_args()
+    if args.length % Q:
+        p.error("--length must be a multiple of 64 (the torch side does not pad)")
+    rows = [forward_row(args.batch, args.length, args.d_model, args.repeat),
+            decode_row(args.decode_d_model, 10 * args.repeat)]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; OpenMP "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')}; {os.cpu_count()} cores "
+          f"({platform.processor() or platform.machine()})")
+    print("| case | mamba-blocks (identical) | torch eager fp32 | speed-up |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(r)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Mamba-1 on the CUDA backend: forward at W2 = (B 8, L 4096, d_model 1024) and the
-decode-session step at d_model 1024, device arrays in and out (torch.cuda tensors),
-timed with CUDA events (median of several runs after warm-up). The dot-v1 GEMM's
-rate is reported against the 51 TFLOP/s fp32 ceiling and against cuBLAS SGEMM
-(TF32 off) on the same shape. mamba-ssm is not installed on the GPU machine (it
-would have to travel as a wheel), so no comparison with it is made here.
+"""Mamba-1 on the CUDA backend: forward at W2 = (B 8, L 4096, d_model 1024) in both
+numeric modes, the projections' GEMMs against cuBLAS, and the decode-session step at
+d_model 1024, batch 1 and 32, device arrays in and out (torch.cuda tensors). Times are
+CUDA-event medians after warm-up; a session step is timed two ways: the wall time of
+sess.step in a Python loop (host included, no sync per step) and the device time of
+its CUDA graph replayed back to back. mamba-ssm is not installed on the GPU machine
+(it would have to travel as a wheel), so no comparison with it is made here.
 
     python bench/gpu.py [--json PATH]
 """
@@ -16,7 +17,6 @@ import torch
 
 import mamba
 from mamba import _backends
-from mamba._cuda import _Scratch
 
 CEILING = 51.0  # TFLOP/s, fp32 FFMA
 
@@ -37,18 +37,56 @@ def events_ms(fn, warm=2, reps=7):
 
 
 def gemm_rate(be, M, N, K):
+    """ms and TFLOP/s of our dot-v1 GEMM, our TF32 GEMM, and cuBLAS with TF32 off/on."""
     X = torch.randn(M, K, device="cuda")
     W = torch.randn(N, K, device="cuda")
     Y = torch.empty(M, N, device="cuda")
+    s = be.stream().cu
 
-    def ours():
-        with _Scratch(be) as sc:
-            be.gemm(sc, M, N, K, X.data_ptr(), K, W.data_ptr(), K, Y.data_ptr(), N)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    ms = events_ms(ours)
-    ms_cublas = events_ms(lambda: torch.matmul(X, W.t(), out=Y))
+    def ours(fast):
+        return lambda: be.gemm(s, M, N, K, X.data_ptr(), K, W.data_ptr(), K, Y.data_ptr(), N,
+                               fast=fast)
     flop = 2.0 * M * N * K
-    return ms, flop / ms / 1e9, flop / ms_cublas / 1e9
+    out = {"MNK": [M, N, K]}
+    out["ms"] = events_ms(ours(False))
+    out["fast_ms"] = events_ms(ours(True))
+    for tf32 in (False, True):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        out["cublas_tf32_ms" if tf32 else "cublas_ms"] = events_ms(
+            lambda: torch.matmul(X, W.t(), out=Y))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for k in ("ms", "fast_ms", "cublas_ms", "cublas_tf32_ms"):
+        out[k.replace("ms", "tflops")] = flop / out[k] / 1e9
+    out["of_ceiling"] = out["tflops"] / CEILING
+    return out
+
+
+def session_rates(blk, B, dm, n=300):
+    """Wall us per sess.step (Python loop, device x, no sync per step) and device us
+    per replay of the step's graph."""
+    be = blk._backend
+    st = blk.allocate_state(B)
+    xs = [torch.randn(B, 1, dm, device="cuda") for _ in range(4)]
+    out = {}
+    with blk.decode_session(st) as sess:
+        for i in range(20):
+            sess.step(xs[i % 4])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            y = sess.step(xs[i % 4])
+        torch.cuda.synchronize()
+        out["wall_us"] = (time.perf_counter() - t0) / n * 1e6
+        run = sess._run
+        s = be.stream().cu
+
+        def replay():
+            for _ in range(n):
+                be.cu.cuGraphLaunch(run.exec, s)
+        out["graph_us"] = events_ms(replay) / n * 1e3
+        out["kernels_ms"] = kernel_table(lambda: sess.step(xs[0]))
+    del y
+    return out
 
 
 def kernel_table(fn):
@@ -76,59 +114,49 @@ def main():
     be = _backends._get("cuda")[0]
     if be is None:
         raise SystemExit(f"no usable CUDA backend: {mamba.backends()['cuda'][1]}")
+    torch.backends.cuda.matmul.allow_tf32 = False
     B, L, dm = 8, 4096, 1024
     di, R = 2 * dm, -(-dm // 16)
     M = B * L
     res = {"device": be.description, "shape": [B, L, dm]}
-    t0 = time.perf_counter()
     w = mamba.random_weights("mamba1", dm, seed=0)
-    blk = mamba.Mamba1Block(w, backend="cuda")
-    res["weights_s"] = time.perf_counter() - t0
-
+    blocks = {mode: mamba.Mamba1Block(w, numeric_mode=mode, backend="cuda")
+              for mode in ("identical", "fast")}
     x = torch.randn(B, L, dm, device="cuda")
-    fwd_ms = events_ms(lambda: blk.forward(x))
     flop = 2.0 * M * (dm * 2 * di + di * (R + 32) + R * di + di * dm)
-    res["forward_ms"] = fwd_ms
-    res["forward_gemm_tflops"] = flop / fwd_ms / 1e9
-    res["forward_tokens_per_s"] = M / fwd_ms * 1e3
-
-    res["forward_kernels_ms"] = kernel_table(lambda: blk.forward(x))
-
+    for mode, blk in blocks.items():
+        ms = events_ms(lambda: blk.forward(x))
+        res[f"forward_{mode}"] = {"ms": ms, "tokens_per_s": M / ms * 1e3,
+                                  "gemm_tflops": flop / ms / 1e9,
+                                  "kernels_ms": kernel_table(lambda: blk.forward(x))}
     for name, (m, n, k) in {"in_proj": (M, 2 * di, dm), "out_proj": (M, dm, di),
                             "x_proj": (M, R + 32, di)}.items():
-        ms, ours, cublas = gemm_rate(be, m, n, k)
-        res[f"gemm_{name}"] = {"MNK": [m, n, k], "ms": ms, "tflops": ours,
-                               "of_ceiling": ours / CEILING, "cublas_sgemm_tflops": cublas}
-
-    st = blk.allocate_state(1)
-    xt = torch.randn(1, 1, dm, device="cuda")
-    with blk.decode_session(st) as sess:
-        for _ in range(10):
-            sess.step(xt)
-        torch.cuda.synchronize()
-        n = 200
-        t0 = time.perf_counter()
-        for _ in range(n):
-            y = sess.step(xt)
-        torch.cuda.synchronize()
-        res["decode_step_us"] = (time.perf_counter() - t0) / n * 1e6
-        res["decode_kernels_ms"] = kernel_table(lambda: sess.step(xt))
-    del y
+        res[f"gemm_{name}"] = gemm_rate(be, m, n, k)
+    for mode, blk in blocks.items():
+        for b in (1, 32):
+            res[f"session_{mode}_B{b}"] = session_rates(blk, b, dm)
     res["mamba_ssm"] = "not installed on the GPU machine; no comparison made"
 
-    print(f"device           {res['device']}")
-    print(f"forward W2       {fwd_ms:.2f} ms  ({res['forward_tokens_per_s']:.0f} tokens/s, "
-          f"GEMM flops at {res['forward_gemm_tflops']:.1f} TFLOP/s over the whole forward)")
+    print(f"device            {res['device']}")
+    for mode in blocks:
+        f = res[f"forward_{mode}"]
+        print(f"forward W2 {mode:9s} {f['ms']:.2f} ms ({f['tokens_per_s']:.0f} tokens/s, GEMM "
+              f"flops at {f['gemm_tflops']:.1f} TFLOP/s over the forward)")
     for name in ("in_proj", "out_proj", "x_proj"):
         g = res[f"gemm_{name}"]
-        print(f"gemm {name:9s}   {g['ms']:.2f} ms  {g['tflops']:.1f} TFLOP/s "
-              f"({100 * g['of_ceiling']:.0f}% of {CEILING:.0f}); cuBLAS SGEMM "
-              f"{g['cublas_sgemm_tflops']:.1f}")
-    print(f"decode step      {res['decode_step_us']:.0f} us per token (B 1, d_model {dm}, session)")
-    for what in ("forward", "decode"):
-        print(f"{what} kernels (ms): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in list(res[f"{what}_kernels_ms"].items())[:10]))
-    print(f"mamba-ssm        {res['mamba_ssm']}")
+        print(f"gemm {name:9s} dot-v1 {g['ms']:.2f} ms {g['tflops']:.1f} TFLOP/s "
+              f"({100 * g['of_ceiling']:.0f}% of {CEILING:.0f}); cuBLAS SGEMM {g['cublas_tflops']:.1f}; "
+              f"TF32 ours {g['fast_tflops']:.1f}, cuBLAS {g['cublas_tf32_tflops']:.1f}")
+    for mode in blocks:
+        for b in (1, 32):
+            r = res[f"session_{mode}_B{b}"]
+            print(f"session {mode:9s} B {b:2d}: {r['wall_us']:.1f} us wall per step, "
+                  f"{r['graph_us']:.1f} us per graph replay")
+    for key in ("forward_identical", "forward_fast", "session_identical_B1", "session_fast_B1",
+                "session_identical_B32"):
+        print(f"{key} kernels (ms): " + ", ".join(
+            f"{k} {v:.4f}" for k, v in list(res[key]["kernels_ms"].items())[:10]))
+    print(f"mamba-ssm         {res['mamba_ssm']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -8,6 +8,7 @@ except ImportError as e:  # the source checkout shadows the installed package
                       "checkout, run from another directory (or use the `mamba-blocks` "
                       "command); otherwise reinstall with `pip install .`") from e
 from ._backends import backends
+from ._cuda import stream
 from .blocks import DecodeSession
 from .block1 import Mamba1Block, Mamba1State
 from .block2 import Mamba2Block, Mamba2State
@@ -25,6 +26,6 @@ def asarray(obj, shape=None):
     return a.reshape(tuple(shape)) if shape is not None else a
 
 
-__all__ = ["Array", "empty", "zeros", "asarray", "backends", "DecodeSession",
+__all__ = ["Array", "empty", "zeros", "asarray", "backends", "stream", "DecodeSession",
            "Mamba1Block", "Mamba1State", "Mamba2Block", "Mamba2State", "Mamba3Block", "Mamba3State",
            "random_weights", "lowbit"]

@@ -30,16 +30,30 @@ class CpuBackend:
         _host_only([dst, src], "a state piece")
         _core.copy_into(dst, src)
 
-    def m1_forward(self, w, d_model, x, pieces, y, lengths):
+    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False):
+        # fast mode runs the identical kernels on the CPU (docs/numerics.md)
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
-    def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, h_last, lengths):
+    def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m2_forward(w, d_model, dt_limit[0], dt_limit[1], x, tuple(pieces),
-                                buffered_tokens, y, h_last, lengths)
+                                buffered_tokens, y, lengths)
+
+    def m2_report_inputs(self, w, dt_limit, pieces, counts):
+        """Copies of all that the h_last report reads: dt_bias, A_log, dt_limit, h and
+        the open rows of the two buffers."""
+        return (_core.copy(w[4]), _core.copy(w[5]), dt_limit, _core.copy(pieces[1]),
+                _core.copy_leading_rows(pieces[2], counts),
+                _core.copy_leading_rows(pieces[3], counts), counts)
+
+    def m2_h_last(self, d_model, inputs):
+        dt_bias, A_log, (lo, hi), h, bx, bd, counts = inputs
+        out = _core.empty(h.shape)
+        _core.m2_h_last(d_model, lo, hi, dt_bias, A_log, h, bx, bd, counts, out)
+        return out
 
     def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
         _host_only([x], "x")
@@ -158,4 +172,4 @@ def owner_of(arr):
 
 def sync_for_consumer(arr, stream):
     """Order a consumer's stream after the work that wrote a device Array (DLPack)."""
-    owner_of(arr).sync_for_consumer(stream)
+    owner_of(arr).sync_for_consumer(arr, stream)

@@ -10,7 +10,8 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_FORMAT,
 from cpython.pycapsule cimport (PyCapsule_New, PyCapsule_IsValid, PyCapsule_GetPointer,
                                 PyCapsule_SetName)
 from cpython.ref cimport Py_INCREF, Py_DECREF, PyObject
-from libc.stdint cimport int64_t, uint8_t, uint16_t, int32_t, uint64_t, uint32_t, uintptr_t
+from libc.stdint cimport (int64_t, uint8_t, uint16_t, int8_t, int32_t, uint64_t, uint32_t,
+                           uintptr_t)
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy, memset
 
@@ -62,7 +63,8 @@ cdef extern from "mamba_ref.h" nogil:
         float *buffer_dtraw
         int64_t *buffered_tokens
     int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                      const float *x, const mb_m2_state *state, float *y, float *h_last)
+                      const float *x, const mb_m2_state *state, float *y)
+    int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, float *h_last)
     ctypedef struct mb_m3_weights:
         int64_t d_model
         const float *norm_w
@@ -167,6 +169,7 @@ cdef class Array:
     cdef uintptr_t _ptr
     cdef bint _readonly
     cdef object _owner           # keeps borrowed or device memory alive
+    cdef object _stream          # device arrays: the stream that writes them (CAI numbering)
     cdef bint _own_host          # _ptr was allocated here
     cdef bint _has_view
     cdef Py_buffer _view
@@ -295,6 +298,7 @@ cdef class Array:
         out._ptr = self._ptr
         out._readonly = self._readonly
         out._owner = self
+        out._stream = self._stream
         out.device = self.device
         out.device_id = self.device_id
         return out
@@ -330,7 +334,13 @@ cdef class Array:
             if self.device != "cuda":
                 raise AttributeError("__cuda_array_interface__: host array")
             return {"shape": self.shape, "typestr": "<f4", "data": (int(self._ptr), self._readonly),
-                    "version": 3, "strides": None, "stream": _CAI_STREAM}
+                    "version": 3, "strides": None, "stream": self._stream}
+
+    property stream:
+        """The CUDA stream a device array is written on, numbered as in
+        ``__cuda_array_interface__`` (1: the legacy default stream); None on the host."""
+        def __get__(self):
+            return self._stream if self.device != "cpu" else None
 
 
 def _nest(flat, shape):
@@ -369,11 +379,6 @@ def zeros(shape):
     return _alloc(tuple(int(d) for d in shape), True)
 
 
-# Device arrays are written on the legacy default stream (1 in the CUDA array
-# interface), so consumers that honour the key order their work after it.
-_CAI_STREAM = 1
-
-
 cdef class _DLHolder:
     """Owns a consumed DLPack tensor: its producer's deleter runs when this dies."""
     cdef mb_DLManagedTensor *t
@@ -400,12 +405,15 @@ def dlpack_import(capsule):
             shape, strides, (d.dtype.code, d.dtype.bits, d.dtype.lanes))
 
 
-def wrap_device(tuple shape, uintptr_t ptr, str device, int device_id, owner, bint readonly=False):
-    """An Array over device memory kept alive by `owner` (used by GPU backends)."""
+def wrap_device(tuple shape, uintptr_t ptr, str device, int device_id, owner, bint readonly=False,
+                stream=1):
+    """An Array over device memory kept alive by `owner` (used by GPU backends),
+    written on `stream` (CUDA-array-interface numbering, 1: legacy default)."""
     cdef Array a = Array.__new__(Array)
     a._set_shape(shape)
     a._ptr = ptr
     a._owner = owner
+    a._stream = stream
     a.device = device
     a.device_id = device_id
     a._readonly = readonly
@@ -586,8 +594,17 @@ def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Ar
     _check_rc(rc)
 
 
+cdef int64_t *_counts(object counts, Py_ssize_t B) except? NULL:
+    cdef int64_t *c = <int64_t *>malloc(B * sizeof(int64_t))
+    if c == NULL:
+        raise MemoryError()
+    for i in range(B):
+        c[i] = counts[i]
+    return c
+
+
 def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tuple p,
-               int64_t buffered_tokens, Array y, Array h_last, lengths=None):
+               int64_t buffered_tokens, Array y, lengths=None):
     """Run mb_m2_forward (every row starts from buffered_tokens); returns each row's new
     buffered_tokens as a tuple."""
     cdef mb_m2_weights wt
@@ -598,32 +615,63 @@ def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tupl
     wt.dt_lo = dt_lo
     wt.dt_hi = dt_hi
     cdef int64_t B = x.shape[0], L = x.shape[1]
-    cdef int64_t *counts = <int64_t *>malloc(B * sizeof(int64_t))
-    if counts == NULL:
-        raise MemoryError()
-    for i in range(B):
-        counts[i] = buffered_tokens
+    cdef int64_t *lp = _lengths(lengths, B)
+    cdef int64_t *counts
+    try:
+        counts = _counts((buffered_tokens,) * B, B)
+    except BaseException:
+        free(lp)
+        raise
     cdef mb_m2_state st
     st.conv_window = _mp(p[0]); st.h = _mp(p[1]); st.buffer_xbc = _mp(p[2])
     st.buffer_dtraw = _mp(p[3])
     st.buffered_tokens = counts
-    cdef int64_t *lp
-    try:
-        lp = _lengths(lengths, B)
-    except BaseException:
-        free(counts)
-        raise
     cdef int rc
     cdef const float *xp = _cp(x)
     cdef float *yp = _mp(y)
-    cdef float *hp = _mp(h_last) if h_last is not None else NULL
     with nogil:
-        rc = mb_m2_forward(&wt, B, L, lp, xp, &st, yp, hp)
+        rc = mb_m2_forward(&wt, B, L, lp, xp, &st, yp)
     free(lp)
     out = tuple(counts[i] for i in range(B))
     free(counts)
     _check_rc(rc)
     return out
+
+
+def m2_h_last(int64_t d_model, float dt_lo, float dt_hi, Array dt_bias, Array A_log, Array h,
+              Array buffer_xbc, Array buffer_dtraw, tuple counts, Array out):
+    """Run mb_m2_h_last: the report of a state (h, buffers, per-row counts) into out."""
+    cdef mb_m2_weights wt
+    memset(&wt, 0, sizeof(wt))
+    wt.d_model = d_model
+    wt.dt_bias = _cp(dt_bias); wt.A_log = _cp(A_log)
+    wt.dt_lo = dt_lo
+    wt.dt_hi = dt_hi
+    cdef int64_t B = h.shape[0]
+    cdef int64_t *c = _counts(counts, B)
+    cdef mb_m2_state st
+    st.conv_window = NULL; st.h = _mp(h); st.buffer_xbc = _mp(buffer_xbc)
+    st.buffer_dtraw = _mp(buffer_dtraw)
+    st.buffered_tokens = c
+    cdef int rc
+    cdef float *op = _mp(out)
+    with nogil:
+        rc = mb_m2_h_last(&wt, B, &st, op)
+    free(c)
+    _check_rc(rc)
+
+
+def copy_leading_rows(Array a, tuple counts):
+    """A new array shaped like a (B, R, ...) whose [b, :counts[b]] equal a's; the rest
+    is left uninitialised (for copies of which only those rows are read)."""
+    cdef Array c = _alloc(a.shape, False)
+    cdef Py_ssize_t B = a.shape[0], per_b = a.size // B if B else 0
+    cdef Py_ssize_t per_row = per_b // a.shape[1] if a.shape[1] else 0
+    cdef Py_ssize_t b, n
+    for b in range(B):
+        n = counts[b]
+        memcpy(<char *>c._ptr + 4 * b * per_b, <char *>a._ptr + 4 * b * per_b, 4 * n * per_row)
+    return c
 
 
 def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_tokens,
@@ -654,6 +702,62 @@ def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_toke
     free(lp)
     _check_rc(rc)
     return st.buffered_tokens
+
+
+# ------------------------------------------------------------ low-bit weights
+cdef extern from "mamba_ref.h" nogil:
+    int64_t mb_bf16_pack(int64_t n, const float *x, uint16_t *out)
+    void mb_bf16_unpack(int64_t n, const uint16_t *bits, float *out)
+    void mb_i8_pack(int64_t rows, int64_t cols, const float *x, int8_t *codes, int32_t *exps)
+    int64_t mb_i8_unpack(int64_t rows, int64_t cols, const int8_t *codes,
+                         const int32_t *exps, float *out)
+
+
+def bf16_pack(Array x, uint16_t[::1] out):
+    """Round x to bfloat16 bits into out; the first index that overflowed to inf, or -1."""
+    if out.shape[0] != x.size:
+        raise ValueError("bf16_pack: out has the wrong length")
+    cdef const float *xp = _cp(x)
+    cdef uint16_t *op = &out[0] if x.size else NULL
+    cdef int64_t n = x.size, r
+    with nogil:
+        r = mb_bf16_pack(n, xp, op)
+    return r
+
+
+def bf16_unpack(const uint16_t[::1] bits, Array out):
+    if bits.shape[0] != out.size:
+        raise ValueError("bf16_unpack: out has the wrong length")
+    cdef const uint16_t *bp = &bits[0] if out.size else NULL
+    cdef float *op = _mp(out)
+    cdef int64_t n = out.size
+    with nogil:
+        mb_bf16_unpack(n, bp, op)
+
+
+def i8_pack(Array x, int64_t rows, int64_t cols, int8_t[::1] codes, int32_t[::1] exps):
+    if x.size != rows * cols or codes.shape[0] != x.size or exps.shape[0] != rows:
+        raise ValueError("i8_pack: sizes do not match rows, cols")
+    cdef const float *xp = _cp(x)
+    cdef int8_t *cp = &codes[0] if x.size else NULL
+    cdef int32_t *ep = &exps[0] if rows else NULL
+    with nogil:
+        mb_i8_pack(rows, cols, xp, cp, ep)
+
+
+def i8_unpack(const int8_t[::1] codes, const int32_t[::1] exps, int64_t rows, int64_t cols,
+              Array out=None):
+    """Write code * 2^e into out (None: validate only); the first bad flat index, or -1."""
+    if codes.shape[0] != rows * cols or exps.shape[0] != rows or (
+            out is not None and out.size != rows * cols):
+        raise ValueError("i8_unpack: sizes do not match rows, cols")
+    cdef float *op = _mp(out) if out is not None else NULL
+    cdef const int8_t *cp = &codes[0] if rows * cols else NULL
+    cdef const int32_t *ep = &exps[0] if rows else NULL
+    cdef int64_t r
+    with nogil:
+        r = mb_i8_unpack(rows, cols, cp, ep, op)
+    return r
 
 
 # ---------------------------------------------------------------- test hooks

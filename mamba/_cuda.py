@@ -2,34 +2,55 @@
 
 The kernels (backends/kernels/, one source for nvcc and hipcc) are compiled at build
 time into mamba_kernels.fatbin beside this file and driven through cuda-python's
-driver bindings. This file chooses grids and scratch; the arithmetic lives in the
-kernels, whose order is fixed by SPEC section 4, so no choice here changes a bit.
+driver bindings. This file chooses grids, streams and memory; the arithmetic lives
+in the kernels, whose order is fixed by SPEC section 4, so no choice here changes a
+bit of the identical mode.
 
-Streams: every launch and copy is issued on the legacy default stream of device 0's
-primary context (the context and stream torch uses by default). Device inputs taken
-through DLPack are requested with stream=1, so the producer orders its pending
-work before ours; a CUDA-array-interface input's "stream" is waited on. Device
-outputs say stream 1 in __cuda_array_interface__, and their __dlpack__(stream=s)
-makes s wait for our work. Work on a framework's side stream is therefore ordered
-by the protocols; raw pointers handed around otherwise are the caller's to order.
-Device inputs must stay alive until the work that reads them has run.
+Streams (docs/cuda.md): work is issued on the stream made current by
+`mamba.stream(s)`, else on the legacy default stream. DLPack inputs are requested
+for that stream, a CUDA-array-interface input's stream is waited on, and a device
+output records the stream that wrote it (its __cuda_array_interface__ says so, and
+its __dlpack__(stream=c) makes c wait for it).
+
+Memory: weights and decode-session buffers are plain allocations owned by their
+block or session; per-call outputs and scratch come from a stream-ordered pool
+(allocated and freed on the call's stream, so nothing blocks the host).
 """
+import contextlib
 import ctypes
 import importlib.resources
+import threading
 
 from . import _core
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
-GEMM_TILE = 128      # gemm.cu: BM = BN
-GEMM_THREADS = 256
-GEMV_M, GEMV_ROWS, GEMV_THREADS = 8, 32, 128  # gemm.cu: mb_gemv_k for M <= GEMV_M
+GEMM_TILE, GEMM_THREADS = 128, 256                 # gemm.cu mb_gemm_k: BM = BN, THREADS
+GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
+GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
+STAGE_K, STAGES = 128, 4                           # gemm.cu / rmsnorm.cu: GV_KC, GV_STAGES
+GEMV_SMEM = 4 * STAGES * (GEMV_ROWS + GEMV_MROWS) * (STAGE_K + 4)
+NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
+NORM_SMEM = 4 * STAGES * NORM_ROWS * (STAGE_K + 4)
+GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
+TF32_TILE, TF32_THREADS = 128, 256                 # fast.cu mb_fast_gemm_k
+TF32_SMEM = 4 * 3 * 2 * TF32_TILE * (32 + 4)
+FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
+FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
+                     # rows the chain GEMV of the identical mode is the faster one
 SCAN_LANES = 4       # scan1.cu: lanes per channel
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
-KERNELS = ("mb_gemm_k", "mb_gemv_k", "mb_dot_fold_k", "mb_rmsnorm_k", "mb_conv_silu_k", "mb_conv_window_k",
-           "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
-           "mb_gather_k")
+POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
+KERNELS = {"mb_gemm_k": 0, "mb_gemv_k": GEMV_SMEM, "mb_dot_fold_k": 0, "mb_rms_k": NORM_SMEM,
+           "mb_rms_scale_k": 0,
+           "mb_conv_silu_k": 0, "mb_conv_window_k": 0, "mb_conv_step_k": 0, "mb_scan1_k": 0,
+           "mb_residual_k": 0, "mb_pack_rows_k": 0, "mb_first_nonfinite_k": 0,
+           "mb_step_guard_k": 0, "mb_gather_k": 0, "mb_fast_gemm_k": TF32_SMEM,
+           "mb_fast_gemv_k": 0, "mb_fast_rmsnorm_k": 0, "mb_fast_conv_silu_k": 0,
+           "mb_fast_conv_step_k": 0, "mb_fast_scan1_k": 0}
+NONE = 0xFFFFFFFFFFFFFFFF  # the guard word of a session with no refused step
+LEGACY, PER_THREAD = 1, 2  # stream numbers of the DLPack and array-interface protocols
 
 # DLPack (code, bits, lanes) and array-interface type strings, for refusals by name
 _DL_NAMES = {(2, 32, 1): "float32", (2, 64, 1): "float64", (2, 16, 1): "float16",
@@ -44,6 +65,61 @@ _CAI_NAMES = {"f4": "float32", "f8": "float64", "f2": "float16", "i1": "int8", "
 
 class CudaError(RuntimeError):
     pass
+
+
+# ------------------------------------------------------------------ caller streams
+_current = threading.local()
+
+
+def _stream_number(s):
+    """The protocol number (1 legacy, 2 per-thread, else the CUstream handle) of a
+    framework's stream object or raw handle."""
+    if s is None:
+        return LEGACY
+    if hasattr(s, "__cuda_stream__"):          # the CUDA stream protocol (cuda.core, ...)
+        handle = int(s.__cuda_stream__()[1])
+    elif hasattr(s, "cuda_stream"):            # torch.cuda.Stream, torch.cuda.ExternalStream
+        handle = int(s.cuda_stream)
+    elif hasattr(s, "ptr") and not isinstance(s, (int, bool)):  # cupy.cuda.Stream
+        handle = int(s.ptr)
+    elif isinstance(s, int) and not isinstance(s, bool):
+        handle = s
+    else:
+        try:                                   # cuda.bindings CUstream
+            handle = int(s.getPtr())
+        except (AttributeError, TypeError):
+            raise TypeError("mamba.stream: stream must be a CUDA stream (torch.cuda.Stream, "
+                            "a CuPy stream, an object with __cuda_stream__, a CUstream or an "
+                            f"integer handle), got {type(s).__name__}") from None
+    if handle < 0:
+        raise ValueError(f"mamba.stream: a stream handle is not negative, got {handle}")
+    return LEGACY if handle == 0 else handle
+
+
+@contextlib.contextmanager
+def stream(s):
+    """Issue the CUDA work of every mamba call in this thread on stream `s` (a
+    torch.cuda.Stream, CuPy stream, object with __cuda_stream__, CUstream or integer
+    handle; None or 0 is the legacy default stream), for example
+    ``with mamba.stream(torch.cuda.current_stream()):``. The stream object is kept
+    alive while memory mamba allocated on it is in use."""
+    entry = (_stream_number(s), s)
+    prev = getattr(_current, "entry", None)
+    _current.entry = entry
+    try:
+        yield
+    finally:
+        _current.entry = prev
+
+
+class _Stream:
+    """The current stream: its driver handle, protocol number and owning object."""
+    __slots__ = ("cu", "number", "owner")
+
+    def __init__(self, cu, number, owner):
+        self.number, self.owner = number, owner
+        self.cu = cu.CUstream(cu.CU_STREAM_LEGACY if number == LEGACY else
+                              cu.CU_STREAM_PER_THREAD if number == PER_THREAD else number)
 
 
 def probe():
@@ -86,7 +162,8 @@ def _cdiv(a, b):
 
 
 class _Mem:
-    """Device bytes from cuMemAlloc, freed when the last Array over them dies."""
+    """Long-lived device bytes (weights, session buffers): cuMemAlloc, freed when the
+    last Array over them dies (cuMemFree waits for the work that may use them)."""
 
     def __init__(self, be, nbytes):
         self.be = be
@@ -100,23 +177,41 @@ class _Mem:
             pass
 
 
-class _Scratch:
-    """Stream-ordered scratch for one call: allocated and freed on the stream, so
-    the frees wait for the kernels that use it and nothing blocks the host."""
+class _PoolMem:
+    """One call's output from the stream-ordered pool: allocated and freed on the
+    stream that writes it (as torch's caching allocator does), holding that stream's
+    owner so the stream outlives the memory."""
 
-    def __init__(self, be):
-        self.be, self.ptrs = be, []
+    def __init__(self, be, nbytes, s):
+        self.be, self.s = be, s
+        self.ptr = int(be._ck(be.cu.cuMemAllocFromPoolAsync(max(nbytes, 4), be.pool, s.cu),
+                              "cuMemAllocFromPoolAsync"))
+
+    def __del__(self):
+        try:
+            self.be.cu.cuMemFreeAsync(self.ptr, self.s.cu)
+        except Exception:
+            pass
+
+
+class _Scratch:
+    """Stream-ordered scratch for one call: taken from the pool and returned on the
+    call's stream, so the frees wait for the kernels that use it and nothing blocks
+    the host."""
+
+    def __init__(self, be, s):
+        self.be, self.s, self.ptrs = be, s, []
 
     def __call__(self, nfloats):
         be = self.be
-        p = int(be._ck(be.cu.cuMemAllocAsync(max(4 * nfloats, 4), be.stream), "cuMemAllocAsync"))
+        p = int(be._ck(be.cu.cuMemAllocFromPoolAsync(max(4 * nfloats, 4), be.pool, self.s.cu),
+                       "cuMemAllocFromPoolAsync"))
         self.ptrs.append(p)
         return p
 
     def upload(self, data, nbytes):
         p = self((nbytes + 3) // 4)
-        self.be._ck(self.be.cu.cuMemcpyHtoDAsync(p, data, nbytes, self.be.stream),
-                    "cuMemcpyHtoDAsync")
+        self.be._ck(self.be.cu.cuMemcpyHtoDAsync(p, data, nbytes, self.s.cu), "cuMemcpyHtoDAsync")
         return p
 
     def __enter__(self):
@@ -124,13 +219,27 @@ class _Scratch:
 
     def __exit__(self, *exc):
         for p in self.ptrs:
-            self.be.cu.cuMemFreeAsync(p, self.be.stream)
+            self.be.cu.cuMemFreeAsync(p, self.s.cu)
         return False
 
 
 class _Layout(ctypes.Structure):
     _fields_ = [("ndim", ctypes.c_int64), ("shape", ctypes.c_int64 * MAX_NDIM),
                 ("strides", ctypes.c_int64 * MAX_NDIM)]
+
+
+class _M1Buffers:
+    """Scratch of one Mamba-1 call over M packed tokens (see CudaBackend._m1_launch)."""
+
+    def __init__(self, be, alloc, M, dm, ragged):
+        di, XR = 2 * dm, _cdiv(dm, 16) + 32
+        self.xs = alloc(M * dm) if ragged else 0
+        self.r = alloc(M)
+        self.xn, self.xz, self.u = alloc(M * dm), alloc(M * 2 * di), alloc(M * di)
+        self.dtp, self.yi, self.xdbl = alloc(M * di), alloc(M * di), alloc(M * XR)
+        parts = max(be._parts(M, 2 * di, dm), be._parts(M, XR, di), be._parts(M, di, XR - 32),
+                    be._parts(M, dm, di))
+        self.parts = alloc(parts) if parts else 0
 
 
 def _ptr(a):
@@ -153,7 +262,6 @@ class CudaBackend:
         minor = self._attr(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
         self.sms = self._attr(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.ctx = self._ck(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
-        self.stream = cu.CUstream(cu.CU_STREAM_LEGACY)
         self._enter()
         err, mod = cu.cuModuleLoadData(image)
         if err == cu.CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU:
@@ -162,8 +270,22 @@ class CudaBackend:
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
-        self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
+        self.fn = {}
+        for k, smem in KERNELS.items():
+            self.fn[k] = self._ck(cu.cuModuleGetFunction(mod, k.encode()), k)
+            if smem > 48 * 1024:
+                self._ck(cu.cuFuncSetAttribute(
+                    self.fn[k], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem), f"cuFuncSetAttribute({k})")
+        props = cu.CUmemPoolProps()
+        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = self.device_id
+        self.pool = self._ck(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
+        self._ck(cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                          cu.cuuint64_t(POOL_KEEP)), "cuMemPoolSetAttribute")
         self._offsets = {}
+        self._capture = None
         self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
 
     # ------------------------------------------------------------ driver plumbing
@@ -179,27 +301,32 @@ class CudaBackend:
     def _enter(self):
         self._ck(self.cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
-    def _launch(self, name, grid, block, *args):
+    def stream(self):
+        """The stream this thread's calls run on (mamba.stream, else legacy)."""
+        number, owner = getattr(_current, "entry", None) or (LEGACY, None)
+        return _Stream(self.cu, number, owner)
+
+    def _launch(self, s, name, grid, block, *args, smem=0):
         """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct."""
         vals = [a if isinstance(a, ctypes.Structure) else
                 ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, 0, self.stream,
+        self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
                                         ctypes.addressof(params), 0), name)
 
     def _grid(self, n, threads=THREADS):
         """Blocks for a grid-stride loop over n items."""
         return max(1, min(_cdiv(n, threads), 32 * self.sms))
 
-    def _sync(self):
-        self._ck(self.cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+    def _sync(self, s):
+        self._ck(self.cu.cuStreamSynchronize(s.cu), "cuStreamSynchronize")
 
-    def _order_after(self, stream):
-        """Make our stream wait for the work queued so far on `stream`."""
-        self._wait(self.stream, self.cu.CUstream(stream))
+    def _stream_of(self, number):
+        return _Stream(self.cu, number, None).cu
 
     def _wait(self, waiter, producer):
+        """Make stream `waiter` wait for the work queued so far on `producer`."""
         cu = self.cu
         ev = self._ck(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         try:
@@ -210,6 +337,7 @@ class CudaBackend:
 
     # ------------------------------------------------------------ arrays
     def new(self, shape):
+        """A long-lived device array (weights, session state)."""
         n = 1
         for d in shape:
             n *= d
@@ -217,32 +345,42 @@ class CudaBackend:
         return _core.wrap_device(tuple(shape), mem.ptr, "cuda", self.device_id, mem)
 
     def empty(self, shape, like=None):
+        """A call's output: on the device (from the pool, on the current stream) when
+        `like` is a device array, else on the host."""
         self._enter()
         if like is not None and like.device == "cuda":
-            return self.new(shape)
+            s = self.stream()
+            n = 1
+            for d in shape:
+                n *= d
+            mem = _PoolMem(self, 4 * n, s)
+            return _core.wrap_device(tuple(shape), mem.ptr, "cuda", self.device_id, mem,
+                                     stream=s.number)
         return _core.empty(shape)
 
     def copy(self, a):
-        """A device copy of a host or device array."""
+        """A long-lived device copy of a host or device array, complete on return so
+        that any stream may use it."""
         self._enter()
         out = self.new(a.shape)
         self.copy_into(out, a)
+        self._sync(self.stream())
         return out
 
     def copy_into(self, dst, src):
         if dst.size != src.size:
             raise ValueError("mamba: copy_into size mismatch")
         self._enter()
-        cu, n = self.cu, 4 * src.size
+        cu, n, s = self.cu, 4 * src.size, self.stream()
         if dst.device == "cpu" and src.device == "cpu":
             _core.copy_into(dst, src)
         elif dst.device == "cpu":
-            self._ck(cu.cuMemcpyDtoHAsync(dst.ptr, src.ptr, n, self.stream), "cuMemcpyDtoHAsync")
-            self._sync()
+            self._ck(cu.cuMemcpyDtoHAsync(dst.ptr, src.ptr, n, s.cu), "cuMemcpyDtoHAsync")
+            self._sync(s)
         elif src.device == "cpu":
-            self._ck(cu.cuMemcpyHtoDAsync(dst.ptr, src.ptr, n, self.stream), "cuMemcpyHtoDAsync")
+            self._ck(cu.cuMemcpyHtoDAsync(dst.ptr, src.ptr, n, s.cu), "cuMemcpyHtoDAsync")
         else:
-            self._ck(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, self.stream), "cuMemcpyDtoDAsync")
+            self._ck(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, s.cu), "cuMemcpyDtoDAsync")
 
     def upload_weights(self, w):
         return tuple(self.copy(a) for a in w)
@@ -252,33 +390,37 @@ class CudaBackend:
         return block._dev_w
 
     def first_nonfinite(self, a):
-        """Flat index of the first NaN or +-inf of a device array, or -1."""
+        """Flat index of the first NaN or +-inf of a device array, or -1 (waits for
+        the current stream)."""
         self._enter()
+        s = self.stream()
         out = ctypes.c_uint64()
-        with _Scratch(self) as sc:
+        with _Scratch(self, s) as sc:
             first = sc(2)
-            self._ck(self.cu.cuMemsetD8Async(first, 0xFF, 8, self.stream), "cuMemsetD8Async")
-            self._launch("mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a, first)
-            self._ck(self.cu.cuMemcpyDtoHAsync(ctypes.addressof(out), first, 8, self.stream),
+            self._ck(self.cu.cuMemsetD8Async(first, 0xFF, 8, s.cu), "cuMemsetD8Async")
+            self._launch(s.cu, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a,
+                         first)
+            self._ck(self.cu.cuMemcpyDtoHAsync(ctypes.addressof(out), first, 8, s.cu),
                      "cuMemcpyDtoHAsync")
-        self._sync()
-        return -1 if out.value == 0xFFFFFFFFFFFFFFFF else out.value
+        self._sync(s)
+        return -1 if out.value == NONE else out.value
 
-    def sync_for_consumer(self, stream):
-        """DLPack export: the consumer's stream waits for our work (1 is ours)."""
-        if stream is None or stream in (-1, int(self.cu.CU_STREAM_LEGACY)):
+    def sync_for_consumer(self, arr, consumer):
+        """DLPack export: the consumer's stream waits for the stream that wrote arr."""
+        if consumer is None or consumer == -1 or consumer == arr.stream:
             return
         self._enter()
-        self._wait(self.cu.CUstream(stream), self.stream)
+        self._wait(self._stream_of(consumer), self._stream_of(arr.stream))
 
     # ------------------------------------------------------------ intake
     def intake(self, obj, what, name, writable):
         """A CUDA array from a foreign framework as a device Array, borrowed when it
         is C-contiguous (copied otherwise, unless it must be written in place)."""
         self._enter()
+        s = self.stream()
         if hasattr(obj, "__dlpack__"):
             owner, ptr, (_, dev_id), shape, strides, dt = _core.dlpack_import(
-                obj.__dlpack__(stream=int(self.cu.CU_STREAM_LEGACY)))
+                obj.__dlpack__(stream=s.number))
             dname = _DL_NAMES.get(tuple(dt), f"DLPack type {tuple(dt)}")
             readonly = False
         else:
@@ -287,9 +429,10 @@ class CudaBackend:
             dname = _CAI_NAMES.get(cai["typestr"][1:], cai["typestr"])
             strides = cai.get("strides")
             if strides is not None:
-                strides = tuple(s // 4 for s in strides)
-            if cai.get("stream") is not None:
-                self._order_after(cai["stream"])
+                strides = tuple(st // 4 for st in strides)
+            producer = cai.get("stream")
+            if producer is not None and producer != s.number:
+                self._wait(s.cu, self._stream_of(producer))
             owner = obj
             dev_id = self._ck(self.cu.cuPointerGetAttribute(
                 self.cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
@@ -301,7 +444,7 @@ class CudaBackend:
                              f"runs on cuda:{self.device_id}")
         if writable and readonly:
             raise ValueError(f"mamba {what}: {name} must be writable (it is updated in place)")
-        a = _core.wrap_device(shape, ptr, "cuda", dev_id, owner, readonly)
+        a = _core.wrap_device(shape, ptr, "cuda", dev_id, owner, readonly, stream=s.number)
         if _is_c_contiguous(shape, strides):
             return a
         if writable:
@@ -310,46 +453,76 @@ class CudaBackend:
         if len(shape) > MAX_NDIM:
             raise ValueError(f"mamba {what}: {name} has more than {MAX_NDIM} dimensions")
         lay = _Layout(len(shape))
-        for i, (d, s) in enumerate(zip(shape, strides)):
-            lay.shape[i], lay.strides[i] = d, s
-        out = self.new(shape)
-        self._launch("mb_gather_k", (self._grid(out.size),), THREADS, out.size, lay, a, out)
+        for i, (d, st) in enumerate(zip(shape, strides)):
+            lay.shape[i], lay.strides[i] = d, st
+        out = self.empty(shape, like=a)
+        self._launch(s.cu, "mb_gather_k", (self._grid(out.size),), THREADS, out.size, lay, a, out)
         return out
 
     # ------------------------------------------------------------ op launchers
-    def gemm(self, sc, M, N, K, X, ldx, W, ldw, Y, ldy):
-        """Y = X . W^T under dot v1; K > 8192 runs one grid slice per leaf, then folds.
-        A few rows (decode) take the GEMV kernel: the same chains, more blocks."""
+    @staticmethod
+    def _parts(M, N, K):
+        """Floats of leaf scratch an identical projection needs (0 for K <= 8192)."""
+        P = _cdiv(K, LEAF)
+        return P * M * N if P > 1 else 0
+
+    def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0):
+        """Y = X . W^T (plus res, the residual, when given: GEMV paths only).
+
+        identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
+        folds. A few rows (decode) take the GEMV kernel: the same chains, more
+        blocks. fast: TF32 tensor cores; up to 8 rows the split-K GEMV, up to 64
+        the chain GEMV."""
         if M == 0 or N == 0:
             return
-        P = max(1, _cdiv(K, LEAF))
-        if M <= GEMV_M:
-            name, grid, threads = "mb_gemv_k", (_cdiv(N, GEMV_ROWS), 1, P), GEMV_THREADS
-        else:
-            name, threads = "mb_gemm_k", GEMM_THREADS
-            grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE), P)
-        if P == 1:
-            self._launch(name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0)
+        if fast and M <= FAST_GEMV_MAX_M:
+            self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
+                         M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard)
             return
-        parts = sc(P * M * N)
-        self._launch(name, grid, threads, M, N, K, X, ldx, W, ldw, parts, N, M * N)
-        self._launch("mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N, Y, ldy)
+        if fast and M > GEMV_MAX_M:
+            assert not res
+            self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_TILE), _cdiv(M, TF32_TILE)),
+                         TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, smem=TF32_SMEM)
+            return
+        P = _cdiv(K, LEAF)
+        if M <= GEMV_MAX_M:
+            name, threads, smem = "mb_gemv_k", GEMV_THREADS, GEMV_SMEM
+            grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
+            tail = (res if P == 1 else 0, ldy, guard)
+        else:
+            assert not res
+            name, threads, smem = "mb_gemm_k", GEMM_THREADS, 0
+            grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE), P)
+            tail = ()
+        if P == 1:
+            self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
+                         smem=smem)
+            return
+        self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, parts, N, M * N,
+                     *((0, 0, 0) if tail else ()), smem=smem)
+        self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
+                     Y, ldy, res, ldy, guard)
 
-    def _offsets_for(self, sc, B, L, lengths):
-        """Row offsets (B + 1 int64) on the device; the uniform ones are kept."""
-        if lengths is None and (B, L) in self._offsets:
-            return self._offsets[(B, L)][0], B * L
-        off = [0]
-        for b in range(B):
-            off.append(off[-1] + (lengths[b] if lengths is not None else L))
-        host = (ctypes.c_int64 * (B + 1))(*off)
-        if lengths is not None:
-            return sc.upload(ctypes.addressof(host), 8 * (B + 1)), off[-1]
-        mem = _Mem(self, 8 * (B + 1))
-        self._ck(self.cu.cuMemcpyHtoDAsync(mem.ptr, ctypes.addressof(host), 8 * (B + 1),
-                                           self.stream), "cuMemcpyHtoDAsync")
-        self._offsets[(B, L)] = (mem.ptr, mem)
-        return mem.ptr, off[-1]
+    def _rmsnorm(self, s, fast, M, n, x, w, out, r):
+        """out = RMSNorm rows of x (M, n); r: M floats of scratch (identical)."""
+        if fast:
+            self._launch(s, "mb_fast_rmsnorm_k", (min(M, 64 * self.sms),), FAST_THREADS,
+                         M, n, x, n, w, out, n)
+            return
+        self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
+                     M, n, x, n, r, smem=NORM_SMEM)
+        self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, n, r, w, out, n)
+
+    def _uniform_offsets(self, B, L):
+        """Row offsets of B rows of L tokens (B + 1 int64) on the device, kept; the
+        upload completes before any stream can use them."""
+        if (B, L) not in self._offsets:
+            host = (ctypes.c_int64 * (B + 1))(*[b * L for b in range(B + 1)])
+            mem = _Mem(self, 8 * (B + 1))
+            self._ck(self.cu.cuMemcpyHtoD(mem.ptr, ctypes.addressof(host), 8 * (B + 1)),
+                     "cuMemcpyHtoD")
+            self._offsets[(B, L)] = mem
+        return self._offsets[(B, L)].ptr
 
     def _on_device(self, sc, a, writeback=None):
         """Device address of a host or device array; a host one is uploaded to scratch
@@ -361,63 +534,215 @@ class CudaBackend:
             writeback.append((a, p))
         return p
 
-    def _finish(self, back):
+    def _finish(self, s, back):
         for host, p in back:
-            self._ck(self.cu.cuMemcpyDtoHAsync(host.ptr, p, 4 * host.size, self.stream),
+            self._ck(self.cu.cuMemcpyDtoHAsync(host.ptr, p, 4 * host.size, s.cu),
                      "cuMemcpyDtoHAsync")
         if back:
-            self._sync()
+            self._sync(s)
 
-    def m1_forward(self, w, d_model, x, pieces, y, lengths):
-        self._enter()
-        dm, B, L = d_model, x.shape[0], x.shape[1]
-        di, NS = 2 * dm, 16
-        R = _cdiv(dm, 16)
-        XR = R + 2 * NS
+    def _m1_launch(self, s, fast, w, dm, B, L, off, M, xd, cw, h, yd, b, ragged, guard=0):
+        """The launches of one Mamba-1 call on stream s: x (xd, padded (B, L, dm)) to
+        y (yd), state (cw, h) updated in place, scratch b (_M1Buffers). A decode call
+        (L = 1) moves the conv window in the conv kernel and adds the residual in the
+        out_proj GEMV; guard is a session's guard word (finite.cu)."""
+        di, R = 2 * dm, _cdiv(dm, 16)
+        XR = R + 32
         norm_w, in_proj, conv_w, conv_b, x_proj, dt_w, dt_b, A_log, D, out_proj = w
+        pre = "mb_fast_" if fast else "mb_"
+        xs = xd
+        if ragged:
+            xs = b.xs
+            self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
+                         B, L, dm, off, xd, xs)
+        self._rmsnorm(s, fast, M, dm, xs, norm_w, b.xn, b.r)
+        self.gemm(s, M, 2 * di, dm, b.xn, dm, in_proj, dm, b.xz, 2 * di, b.parts, fast)
+        rows = min(B, 65535)
+        if L == 1:
+            self._launch(s, pre + "conv_step_k", (self._grid(B * di),), THREADS,
+                         B, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di, guard)
+        else:
+            self._launch(s, pre + "conv_silu_k", (self._grid(L * di), rows), THREADS,
+                         B, off, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di)
+            self._launch(s, "mb_conv_window_k", (self._grid(B * di),), THREADS,
+                         B, off, di, b.xz, 2 * di, cw)
+        self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
+        self.gemm(s, M, di, R, b.xdbl, XR, dt_w, R, b.dtp, di, b.parts, fast)
+        self._launch(s, pre + "scan1_k", (_cdiv(SCAN_LANES * di, 128), rows), 128,
+                     B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
+        if L == 1 and M <= GEMV_MAX_M:
+            self.gemm(s, M, dm, di, b.yi, di, out_proj, di, yd, dm, b.parts, fast, xd, guard)
+            return
+        self.gemm(s, M, dm, di, b.yi, di, out_proj, di, b.xn, dm, b.parts, fast)
+        self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
+                     B, L, dm, off, xd, b.xn, yd, guard)
+
+    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False):
+        self._enter()
+        s = self.stream()
+        dm, B, L = d_model, x.shape[0], x.shape[1]
         back = []
-        with _Scratch(self) as sc:
-            off, M = self._offsets_for(sc, B, L, lengths)
+        with _Scratch(self, s) as sc:
+            if lengths is None:
+                off, M = self._uniform_offsets(B, L), B * L
+            else:
+                off = [0]
+                for n in lengths:
+                    off.append(off[-1] + n)
+                host = (ctypes.c_int64 * (B + 1))(*off)
+                off, M = sc.upload(ctypes.addressof(host), 8 * (B + 1)), off[-1]
             xd = self._on_device(sc, x)
             cw = self._on_device(sc, pieces[0], back)
             h = self._on_device(sc, pieces[1], back)
             yd = y.ptr if y.device == "cuda" else sc(B * L * dm)
-            xs = xd
-            if lengths is not None:
-                xs = sc(M * dm)
-                self._launch("mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
-                             B, L, dm, off, xd, xs)
-            xn, xz, u = sc(M * dm), sc(M * 2 * di), sc(M * di)
-            dtp, yi, xdbl = sc(M * di), sc(M * di), sc(M * XR)
-            self._launch("mb_rmsnorm_k", (min(M, 64 * self.sms),), 128, M, dm, xs, dm, norm_w,
-                         xn, dm)
-            self.gemm(sc, M, 2 * di, dm, xn, dm, in_proj, dm, xz, 2 * di)
-            rows = min(B, 65535)
-            self._launch("mb_conv_silu_k", (self._grid(L * di), rows), THREADS,
-                         B, off, di, xz, 2 * di, cw, conv_w, conv_b, u, di)
-            self._launch("mb_conv_window_k", (self._grid(B * di),), THREADS,
-                         B, off, di, xz, 2 * di, cw)
-            self.gemm(sc, M, XR, di, u, di, x_proj, di, xdbl, XR)
-            self.gemm(sc, M, di, R, xdbl, XR, dt_w, R, dtp, di)
-            self._launch("mb_scan1_k", (_cdiv(SCAN_LANES * di, 128), rows), 128,
-                         B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi)
-            self.gemm(sc, M, dm, di, yi, di, out_proj, di, xn, dm)
-            self._launch("mb_residual_k", (self._grid(B * L * dm),), THREADS,
-                         B, L, dm, off, xd, xn, yd)
+            bufs = _M1Buffers(self, sc, M, dm, lengths is not None)
+            self._m1_launch(s.cu, fast, w, dm, B, L, off, M, xd, cw, h, yd, bufs,
+                            lengths is not None)
             if y.device == "cpu":
                 back.append((y, yd))
-            self._finish(back)
+            self._finish(s, back)
+
+    def m1_session(self, w, d_model, pieces, fast):
+        return _M1Session(self, w, d_model, pieces, fast)
+
+    def _capture_stream(self):
+        """A private stream for graph capture (the legacy stream cannot capture)."""
+        if self._capture is None:
+            self._capture = self._ck(self.cu.cuStreamCreate(
+                int(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        return self._capture
 
     # ------------------------------------------------------------ test hooks
-    def _gemm(self, X, W, M, N, K):
+    def _gemm(self, X, W, M, N, K, fast=False):
         """Y = X . W^T on the device for host X (M, K), W (N, K); a host Y (tests)."""
         self._enter()
+        s = self.stream()
         Y = _core.empty((M, N))
-        with _Scratch(self) as sc:
+        with _Scratch(self, s) as sc:
             xd, wd, yd = self._on_device(sc, X), self._on_device(sc, W), sc(M * N)
-            self.gemm(sc, M, N, K, xd, K, wd, K, yd, N)
-            self._finish([(Y, yd)])
+            parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
+            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast)
+            self._finish(s, [(Y, yd)])
         return Y
+
+
+class _M1Session:
+    """A Mamba-1 decode session's step as one CUDA graph, captured once over the
+    session's resident weights, state and fixed input/output buffers: a step is a
+    copy in, one graph launch and a copy out, with no host wait for a device input.
+
+    The graph's first kernel (mb_step_guard_k) checks the step's input on the
+    device. A refused step (a NaN or inf in x) leaves the state alone, gives NaN
+    outputs, and so do the steps after it until the host has reported it: the guard
+    writes the step and index to mapped host memory, which the next step reads
+    without waiting, and which sync_state, load_state and close read after waiting
+    for the stream. A host input is checked on the host before it is uploaded."""
+
+    def __init__(self, be, w, dm, pieces, fast):
+        cu = be.cu
+        be._enter()
+        s = be.stream()
+        self.be, self.w, self.pieces, self.fast = be, w, pieces, fast
+        B = pieces[0].shape[0]
+        self.shape, self.nbytes = (B, 1, dm), 4 * B * dm
+        self.x, self.y = be.new(self.shape), be.new(self.shape)
+        self._keep = []
+
+        def alloc(n):
+            m = _Mem(be, 4 * n)
+            self._keep.append(m)
+            return m.ptr
+        bufs = _M1Buffers(be, alloc, B, dm, False)
+        off = be._uniform_offsets(B, 1)
+        self.guard = _Mem(be, 24)
+        be._ck(cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
+        be._ck(cu.cuMemsetD8Async(self.guard.ptr + 8, 0, 16, s.cu), "cuMemsetD8Async")
+        self.host = be._ck(cu.cuMemHostAlloc(16, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.seen = (ctypes.c_uint64 * 2).from_address(int(self.host))
+        self.seen[0] = self.seen[1] = NONE
+        dev_seen = int(be._ck(cu.cuMemHostGetDevicePointer(self.host, 0),
+                              "cuMemHostGetDevicePointer"))
+        be._sync(s)
+        self.graph = self.exec = None
+        cs = be._capture_stream()
+        be._ck(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, B * dm, self.x,
+                       self.guard.ptr, dev_seen)
+            be._m1_launch(cs, fast, w, dm, B, 1, off, B, self.x.ptr, pieces[0].ptr, pieces[1].ptr,
+                          self.y.ptr, bufs, False, self.guard.ptr)
+        finally:
+            graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")
+        self.graph = graph
+        self.exec = be._ck(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        be._ck(cu.cuGraphUpload(self.exec, s.cu), "cuGraphUpload")
+        self.last = s
+
+    def _follow(self, s):
+        """Order this call after the session's previous one when the stream changed."""
+        if s.number != self.last.number:
+            self.be._wait(s.cu, self.last.cu)
+        self.last = s
+
+    def _refusal(self, s, what):
+        """The refusal the guard has reported (a ValueError), if any; the guard reopens
+        for the steps issued after this call."""
+        idx = self.seen[0]
+        if idx == NONE:
+            return None
+        step = self.seen[1]
+        self.seen[0] = self.seen[1] = NONE
+        self.be._ck(self.be.cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
+        return ValueError(f"mamba {what}: x of step {step + 1} of this session held a non-finite "
+                         f"value (NaN or inf) at flat index {idx}; that step and the later ones "
+                         "until now were refused (NaN outputs, state left as before that step)")
+
+    def step(self, x, what):
+        be, cu = self.be, self.be.cu
+        be._enter()
+        s = be.stream()
+        self._follow(s)
+        refused = self._refusal(s, what)
+        if refused is not None:
+            raise refused
+        if x.device == "cpu":
+            i = _core.first_nonfinite(x)
+            if i >= 0:
+                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
+                                 f"flat index {i}")
+            be._ck(cu.cuMemcpyHtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyHtoDAsync")
+            be._ck(cu.cuGraphLaunch(self.exec, s.cu), "cuGraphLaunch")
+            y = _core.empty(self.shape)
+            be._ck(cu.cuMemcpyDtoHAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoHAsync")
+            be._sync(s)
+            refused = self._refusal(s, what)  # an earlier device step's refusal refused this one
+            if refused is not None:
+                raise refused
+            return y
+        be._ck(cu.cuMemcpyDtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
+        be._ck(cu.cuGraphLaunch(self.exec, s.cu), "cuGraphLaunch")
+        y = be.empty(self.shape, like=x)
+        be._ck(cu.cuMemcpyDtoDAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
+        return y
+
+    def settle(self, what):
+        """Wait for the session's work; the refusal still unreported, or None."""
+        s = self.be.stream()
+        self._follow(s)
+        self.be._sync(s)
+        return self._refusal(s, what)
+
+    def __del__(self):
+        cu = self.be.cu
+        try:
+            if self.exec is not None:
+                cu.cuGraphExecDestroy(self.exec)
+            if self.graph is not None:
+                cu.cuGraphDestroy(self.graph)
+            cu.cuMemFreeHost(self.host)
+        except Exception:
+            pass
 
 
 def _is_c_contiguous(shape, strides):

@@ -58,4 +58,12 @@ class Mamba1Block(_Block):
         return {"conv_window": (B, self.d_inner, D_CONV), "h": (B, self.d_inner, D_STATE)}
 
     def _kernel(self, w, x, pieces, state, y, lengths):
-        self._backend.m1_forward(w, self.d_model, x, pieces, y, lengths)
+        self._backend.m1_forward(w, self.d_model, x, pieces, y, lengths,
+                                 fast=self.numeric_mode == "fast")
+
+    def _session_runner(self, w, pieces):
+        # a GPU backend may run a session's step as one captured graph
+        open_session = getattr(self._backend, "m1_session", None)
+        if open_session is None:
+            return None
+        return open_session(w, self.d_model, pieces, self.numeric_mode == "fast")

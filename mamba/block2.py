@@ -73,7 +73,7 @@ class Mamba2Block(_Block):
                 "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
     _STATE = Mamba2State
     profile = PROFILE
-    h_last_ = None
+    _report = _h_last = None
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode="identical",
                  backend="auto"):
@@ -123,11 +123,20 @@ class Mamba2Block(_Block):
             raise ValueError(f"mamba {what}: state.buffered_tokens must be an integer in "
                              f"[0, {CHUNK}), got {n!r}")
 
+    @property
+    def h_last_(self):
+        """(B, H, 64, 128) report of the last call (None before any call)."""
+        if self._h_last is None and self._report is not None:
+            self._h_last = self._backend.m2_h_last(self.d_model, self._report)
+        return self._h_last
+
     def _kernel(self, w, x, pieces, state, y, lengths):
         be = self._backend
-        h_last = be.empty((x.shape[0], self.nheads, HEADDIM, D_STATE))
         counts = be.m2_forward(w, self.d_model, self.dt_limit, x, pieces,
-                               operator.index(state.buffered_tokens), y, h_last, lengths)
+                               operator.index(state.buffered_tokens), y, lengths)
         if lengths is None:
             state.buffered_tokens = counts[0]
-        self.h_last_ = h_last
+        # h_last_ is a function of the state after the call: keep copies of what it
+        # reads and fold only when it is read, so a decode step does not pay for it
+        self._report = be.m2_report_inputs(w, self.dt_limit, pieces, counts)
+        self._h_last = None

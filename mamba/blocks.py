@@ -103,6 +103,13 @@ class _Block:
     def _check_scalars(self, state, what):
         pass
 
+    def _session_runner(self, w, pieces):
+        """An object whose step(x, what) runs a decode session's steps on resident
+        buffers (a GPU graph) and whose settle(what) waits for them and returns the
+        refusal of a step checked on the device still unreported (or None); None
+        for the plain step path."""
+        return None
+
     # ------------------------------------------------------------- compute
     def _call(self, x, state, step, lengths):
         what = type(self).__name__ + (".step" if step else ".forward")
@@ -171,6 +178,7 @@ class DecodeSession:
         self._pieces = [block._backend.copy(a) for a in src]
         self._scalars = {n: getattr(state, n) for n in state._SCALARS}
         self._shadow = block._STATE(*self._pieces, **self._scalars)
+        self._run = block._session_runner(self._w, self._pieces)
         self._open = True
         state._resident_session = self
 
@@ -195,25 +203,35 @@ class DecodeSession:
         if x.shape[0] != self._b:
             raise ValueError(f"mamba {what}: the session holds {self._b} rows, x has "
                              f"B = {x.shape[0]}")
+        if self._run is not None:
+            return self._run.step(x, what)  # checks x itself (a device x on the device)
         chk.finite(x, what, "x")
         y = blk._backend.empty(x.shape, like=x)
         blk._kernel(self._w, x, self._pieces, self._shadow, y, None)
         return y
 
     def sync_state(self):
-        """Copy the session's state into the caller's state arrays; returns the state."""
+        """Copy the session's state into the caller's state arrays; returns the state.
+
+        A step refused on the device (docs/cuda.md) is raised here, after the copy."""
         self._require_open("sync_state")
+        refused = None if self._run is None else self._run.settle("DecodeSession.sync_state")
         for n, src in zip(self._state._PIECES, self._pieces):
             dst = chk.f32(getattr(self._state, n), "DecodeSession.sync_state", n, writable=True)
             self._block._backend.copy_into(dst, src)
         for n in self._state._SCALARS:
             setattr(self._state, n, getattr(self._shadow, n))
+        if refused is not None:
+            raise refused
         return self._state
 
     def load_state(self):
         """Reload the session from the caller's state arrays (after editing them)."""
         self._require_open("load_state")
         what = "DecodeSession.load_state"
+        refused = None if self._run is None else self._run.settle(what)
+        if refused is not None:
+            raise refused
         self._state._resident_session = None
         try:
             src = self._block._state_arrays(self._state, what, self._b)
@@ -234,7 +252,7 @@ class DecodeSession:
         finally:
             self._open = False
             self._state._resident_session = None
-            self._pieces = self._w = None
+            self._pieces = self._w = self._run = None
 
     def __enter__(self):
         return self

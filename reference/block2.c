@@ -113,8 +113,8 @@ static void seg_row(float *s, const float *dA, int64_t *row, int64_t i)
 }
 
 /* hout = fma(exp(cs[n-1]), hT, S) with S[m][p] = sum_j (B_j[m] exp(cs[n-1] - cs[j])) Xd[j][p],
- * the fold of a chunk's first n rows into the state (hT and hout are (NS, HP); hout may
- * alias hT; ST is scratch that may alias hout only if it does not alias hT). */
+ * the fold of a chunk's first n rows into the state. hT, ST (scratch for S) and hout
+ * are (NS, HP); hout may be hT or ST. */
 static void fold(int64_t n, const float *Bm, int64_t ldu, const float *cs, const float *Xd,
                  float *Bd, float *ST, const float *hT, float *hout)
 {
@@ -141,11 +141,39 @@ static void transpose(int64_t rows, int64_t cols, const float *src, float *dst)
         for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = src[c * rows + r];
 }
 
-/* Per-thread scratch of the SSD phase, in floats. */
+/* Per-thread scratch of the SSD and the report, in floats. */
 #define SSD_SCRATCH (4 * CQ + CQ * HP + TR * CQ + CQ * NS + 2 * NS * HP + 2 * TR * HP)
 
+typedef struct { float *dt, *dA, *cs, *s, *Xd, *Mt, *Bd, *hT, *ST, *yd, *yo; } ssd_scr;
+
+static ssd_scr scr_split(float *p)
+{
+    ssd_scr r;
+    r.dt = p; r.dA = r.dt + CQ; r.cs = r.dA + CQ; r.s = r.cs + CQ; r.Xd = r.s + CQ;
+    r.Mt = r.Xd + CQ * HP; r.Bd = r.Mt + TR * CQ; r.hT = r.Bd + CQ * NS; r.ST = r.hT + NS * HP;
+    r.yd = r.ST + NS * HP; r.yo = r.yd + TR * HP;
+    return r;
+}
+
+/* For head h and a chunk's first n rows (xBC rows u, raw dt rows dtr): dt, dA = dt * A,
+ * the serial inclusive cumsum cs from +0, and Xd = x * dt. */
+static void chunk_prep(int64_t n, const float *u, int64_t CD, const float *dtr, int64_t H,
+                       int64_t h, const mb_m2_weights *w, const ssd_scr *q)
+{
+    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h];
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        q->dt[i] = mb_clamp(mb_softplus(dtr[i * H + h] + bias), w->dt_lo, w->dt_hi);
+        q->dA[i] = q->dt[i] * A;
+        acc = acc + q->dA[i];
+        q->cs[i] = acc;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int p = 0; p < HP; p++) q->Xd[i * HP + p] = u[i * CD + h * HP + p] * q->dt[i];
+}
+
 typedef struct {
-    int64_t di, H, CD, NP;
+    int64_t di, H, CD;
     const int64_t *off, *t0, *eoff; /* token offsets, buffered rows, scratch-chunk rows */
     float *ext_u, *ext_dtr;         /* chunks >= 1 of every row */
     const float *G;                 /* (tokens, CQ): G[token][j] */
@@ -162,33 +190,20 @@ static float *chunk_dtr(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64
     return k ? c->ext_dtr + (c->eoff[b] + (k - 1) * CQ) * c->H : st->buffer_dtraw + b * BUFROWS * c->H;
 }
 
-/* The SSD of one (row, head): every chunk in order, outputs into yb, the state in st->h,
- * the report (if asked) into h_last. */
+/* The SSD of one (row, head): every chunk in order, outputs into yb, the state in st->h. */
 static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state *st,
-                     int64_t b, int64_t h, float *h_last, float *scr)
+                     int64_t b, int64_t h, const ssd_scr *q)
 {
     const int64_t di = c->di, H = c->H, CD = c->CD, t0 = c->t0[b];
     const int64_t T = t0 + (c->off[b + 1] - c->off[b]), nk = (T + CQ - 1) / CQ;
-    float *dt = scr, *dA = dt + CQ, *cs = dA + CQ, *s = cs + CQ, *Xd = s + CQ;
-    float *Mt = Xd + CQ * HP, *Bd = Mt + TR * CQ, *hT = Bd + CQ * NS, *ST = hT + NS * HP;
-    float *yd = ST + NS * HP, *yo = yd + TR * HP;
-    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h], Dh = w->D[h];
-    float *hs = st->h + (b * H + h) * HP * NS;
-    float *hl = h_last ? h_last + (b * H + h) * HP * NS : NULL;
-    transpose(NS, HP, hs, hT);
+    const float Dh = w->D[h];
+    float *hs = st->h + (b * H + h) * HP * NS, *s = q->s, *Mt = q->Mt, *yd = q->yd, *yo = q->yo;
+    transpose(NS, HP, hs, q->hT);
 
     for (int64_t k = 0; k < nk; k++) {
         const int64_t n = T - k * CQ < CQ ? T - k * CQ : CQ, r0 = k ? 0 : t0;
-        const float *u = chunk_u(c, st, b, k), *dtr = chunk_dtr(c, st, b, k);
-        float acc = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            dt[i] = mb_clamp(mb_softplus(dtr[i * H + h] + bias), w->dt_lo, w->dt_hi);
-            dA[i] = dt[i] * A;
-            acc = acc + dA[i];
-            cs[i] = acc;
-        }
-        for (int64_t i = 0; i < n; i++)
-            for (int p = 0; p < HP; p++) Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
+        const float *u = chunk_u(c, st, b, k);
+        chunk_prep(n, u, CD, chunk_dtr(c, st, b, k), H, h, w, q);
 
         int64_t row = 0;
         s[0] = 0.0f;
@@ -199,46 +214,54 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
                 const int64_t i = i0 + r;
                 const float *g = c->G + (tok + r) * CQ;
                 float *mr = Mt + r * CQ;
-                seg_row(s, dA, &row, i);
+                seg_row(s, q->dA, &row, i);
                 for (int64_t j = 0; j <= i; j++) mr[j] = g[j] * mb_exp(s[j]);
             }
             /* Y_diag: the chains common to the tile, then each row's causal rest */
-            mm64(R, i0 + 1, Mt, CQ, 1, Xd, HP, yd, HP);
+            mm64(R, i0 + 1, Mt, CQ, 1, q->Xd, HP, yd, HP);
             for (int r = 1; r < R; r++)
-                mm64_more(Mt + r * CQ, 1, i0 + 1, i0 + r + 1, Xd, HP, yd + r * HP);
+                mm64_more(Mt + r * CQ, 1, i0 + 1, i0 + r + 1, q->Xd, HP, yd + r * HP);
             /* Y_off: C_i . h_prev, contracted over the state first */
-            mm64(R, NS, u + i0 * CD + di + NS, CD, 1, hT, HP, yo, HP);
+            mm64(R, NS, u + i0 * CD + di + NS, CD, 1, q->hT, HP, yo, HP);
             for (int r = 0; r < R; r++) {
                 const int64_t i = i0 + r;
-                const float e = mb_exp(cs[i]), *xr = u + i * CD + h * HP;
+                const float e = mb_exp(q->cs[i]), *xr = u + i * CD + h * HP;
                 float *yr = c->yb + (tok + r) * di + h * HP;
                 for (int p = 0; p < HP; p++)
                     yr[p] = (yd[r * HP + p] + yo[r * HP + p] * e) + xr[p] * Dh;
             }
         }
-
         if (n == CQ)
-            fold(n, u + di, CD, cs, Xd, Bd, ST, hT, hT);
-        else if (hl) { /* the open chunk as if it were closed: the report only */
-            fold(n, u + di, CD, cs, Xd, Bd, ST, hT, ST);
-            transpose(HP, NS, ST, hl);
-        }
+            fold(n, u + di, CD, q->cs, q->Xd, q->Bd, q->ST, q->hT, q->hT);
     }
-    if (hl && T % CQ == 0)
-        transpose(HP, NS, hT, hl);
-    transpose(HP, NS, hT, hs);
+    transpose(HP, NS, q->hT, hs);
 }
 
 typedef struct { int64_t b, k, i0, i1; } g_task;
 
+static int max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static int thread_num(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                             const float *x, const mb_m2_state *st, float *y, float *h_last)
+                             const float *x, const mb_m2_state *st, float *y)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
-    int nth = 1;
-#ifdef _OPENMP
-    nth = omp_get_max_threads();
-#endif
+    const int nth = max_threads();
     int64_t *ib = malloc((size_t)(4 * B + 3) * sizeof *ib);
     if (!ib)
         return MB_ENOMEM;
@@ -276,7 +299,7 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
         xs = xp;
         ys = xp + M * dm;
     }
-    const m2_ctx c = {di, H, CD, NP, off, t0, eoff, ext_u, ext_dtr, G, yb};
+    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, yb};
 
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->block_norm_w, xn, dm);
     MB_ISA_FN(mb_gemm)(M, NP, dm, xn, dm, w->in_proj, dm, zxd, NP);
@@ -330,13 +353,10 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
     #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
     {
         mb_fpenv env = mb_fpenv_enter();
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const ssd_scr q = scr_split(scr + (int64_t)thread_num() * SSD_SCRATCH);
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++)
-            ssd_task(&c, w, st, task / H, task % H, h_last, scr + (int64_t)tid * SSD_SCRATCH);
+            ssd_task(&c, w, st, task / H, task % H, &q);
         mb_fpenv_exit(env);
     }
 
@@ -375,5 +395,39 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
     free(gt);
     free(buf);
     free(ib);
+    return MB_OK;
+}
+
+int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)
+{
+    const int64_t di = 2 * w->d_model, H = di / HP, CD = di + 2 * NS;
+    float *scr = malloc((size_t)max_threads() * SSD_SCRATCH * sizeof(float));
+    if (!scr)
+        return MB_ENOMEM;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++)
+        work += st->buffered_tokens[b];
+    #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        const ssd_scr q = scr_split(scr + (int64_t)thread_num() * SSD_SCRATCH);
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * H; task++) {
+            const int64_t b = task / H, h = task % H, n = st->buffered_tokens[b];
+            const float *hs = st->h + task * HP * NS;
+            float *out = h_last + task * HP * NS;
+            if (!n) {
+                memcpy(out, hs, HP * NS * sizeof(float));
+                continue;
+            }
+            const float *u = st->buffer_xbc + b * BUFROWS * CD;
+            chunk_prep(n, u, CD, st->buffer_dtraw + b * BUFROWS * H, H, h, w, &q);
+            transpose(NS, HP, hs, q.hT);
+            fold(n, u + di, CD, q.cs, q.Xd, q.Bd, q.ST, q.hT, q.ST);
+            transpose(HP, NS, q.ST, out);
+        }
+        mb_fpenv_exit(env);
+    }
+    free(scr);
     return MB_OK;
 }

@@ -7,7 +7,8 @@
 DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m1_state *, float *))
 DECLARE_ISA(int, mb_m2_forward, (const mb_m2_weights *, int64_t, int64_t, const int64_t *,
-                                 const float *, const mb_m2_state *, float *, float *))
+                                 const float *, const mb_m2_state *, float *))
+DECLARE_ISA(int, mb_m2_h_last, (const mb_m2_weights *, int64_t, const mb_m2_state *, float *))
 DECLARE_ISA(int, mb_m3_forward, (const mb_m3_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, mb_m3_state *, float *, const mb_m3_reports *))
 DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
@@ -53,10 +54,17 @@ int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *l
 }
 
 int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                  const float *x, const mb_m2_state *state, float *y, float *h_last)
+                  const float *x, const mb_m2_state *state, float *y)
 {
     int rc;
-    GUARDED(rc = ISA(mb_m2_forward)(w, B, L, lengths, x, state, y, h_last))
+    GUARDED(rc = ISA(mb_m2_forward)(w, B, L, lengths, x, state, y))
+    return rc;
+}
+
+int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, float *h_last)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m2_h_last)(w, B, state, h_last))
     return rc;
 }
 

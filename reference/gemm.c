@@ -9,7 +9,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+static int omp_get_thread_num(void) { return 0; }
+#endif
 #include "gemm.h"
 #include "fpenv.h"
 #if defined(__AVX2__) && defined(__FMA__)

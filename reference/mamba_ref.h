@@ -65,10 +65,15 @@ typedef struct {
 } mb_m2_state;
 
 /* As mb_m1_forward (each row has its own chunk grid from its position 0 and its own
- * buffered count). h_last, if not NULL, receives (B, H, 64, 128): each row's state
- * after its last token with the open chunk folded as if it were closed. */
+ * buffered count). */
 int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                  const float *x, const mb_m2_state *state, float *y, float *h_last);
+                  const float *x, const mb_m2_state *state, float *y);
+
+/* The h_last report of a state, a pure function of it (of h, the open rows of the
+ * buffers and buffered_tokens; of the weights only dt_bias, A_log and dt_lo/hi are
+ * read): h_last (B, H, 64, 128) = h with the open chunk folded as if it were closed
+ * (upstream final_states); h itself when no rows are open. The state is not written. */
+int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, float *h_last);
 
 /* ---- Mamba-3 SISO (identical.mamba3.siso.fp32.v1): di = 2 dm, H = di / 64 heads,
  * in_proj rows 2 di + 256 + 3 H + 32 (z | x | B | C | dd_dt | dd_A | trap | angle). */
@@ -135,5 +140,18 @@ float mb_dot_eval(int64_t k, const float *a, const float *b);
 /* Instruction set of the hot loops: -1 selects the best the CPU has, 0 the portable
  * baseline, 1 x86-64-v3. Returns the one in use (0 or 1). Bits never depend on it. */
 int mb_isa_select(int which);
+
+/* ---- low-bit weights (lowbit.c; docs/numerics.md "Low-bit weights"), integer-exact.
+ * bfloat16: round to nearest even, NaN made quiet; returns the index of the first
+ * finite input that rounds to +-inf, or -1. int8: per row r of cols values,
+ * e = floor(log2(absmax)) - 6 (0 for an all-zero row), code = clamp(rne(x 2^-e),
+ * -127, 127); inputs must be finite. mb_i8_unpack writes code * 2^e (out may be NULL
+ * to validate only) and returns the first flat index whose code is -128 or whose
+ * value is not an exact finite float32, or -1. */
+int64_t mb_bf16_pack(int64_t n, const float *x, uint16_t *out);
+void mb_bf16_unpack(int64_t n, const uint16_t *bits, float *out);
+void mb_i8_pack(int64_t rows, int64_t cols, const float *x, int8_t *codes, int32_t *exps);
+int64_t mb_i8_unpack(int64_t rows, int64_t cols, const int8_t *codes, const int32_t *exps,
+                     float *out);
 
 #endif

@@ -261,31 +261,57 @@ MB_FN float mb_dot_chain_(int64_t n, const float *a, int64_t sa, const float *b,
  * because at each level the carried node holds the leaves past the last full block
  * and a full block meets it exactly when that level's bit of P is set. A stack that
  * merges equal-sized neighbours as leaves arrive (a binary counter) builds the same
- * blocks; folding the stack from the top builds the same right-nested sum. */
-MB_FN float mb_dot(int64_t k, const float *a, int64_t sa, const float *b, int64_t sb)
-{
-    MB_NOCONTRACT
-    if (k <= MB_DOT_LEAF)
-        return mb_dot_chain_(k, a, sa, b, sb);
+ * blocks; folding the stack from the top builds the same right-nested sum. Kernels
+ * that compute leaves elsewhere join them with the same stack (mb_dot_fold). */
+typedef struct {
     float part[64];
     int size[64]; /* log2 of the leaves in each stacked block */
-    int top = 0;
+    int top;
+} mb_dot_tree;
+
+MB_FN void mb_dot_tree_push(mb_dot_tree *t, float v)
+{
+    MB_NOCONTRACT
+    int lv = 0;
+    while (t->top > 0 && t->size[t->top - 1] == lv) {
+        v = t->part[--t->top] + v;
+        lv++;
+    }
+    t->part[t->top] = v;
+    t->size[t->top] = lv;
+    t->top++;
+}
+
+MB_FN float mb_dot_tree_sum(mb_dot_tree *t)
+{
+    MB_NOCONTRACT
+    float v = t->part[--t->top];
+    while (t->top > 0)
+        v = t->part[--t->top] + v;
+    return v;
+}
+
+/* dot v1's join of P >= 1 leaf results leaves[0], leaves[stride], ... */
+MB_FN float mb_dot_fold(int64_t P, const float *leaves, int64_t stride)
+{
+    mb_dot_tree t;
+    t.top = 0;
+    for (int64_t p = 0; p < P; p++)
+        mb_dot_tree_push(&t, leaves[p * stride]);
+    return mb_dot_tree_sum(&t);
+}
+
+MB_FN float mb_dot(int64_t k, const float *a, int64_t sa, const float *b, int64_t sb)
+{
+    if (k <= MB_DOT_LEAF)
+        return mb_dot_chain_(k, a, sa, b, sb);
+    mb_dot_tree t;
+    t.top = 0;
     for (int64_t s = 0; s < k; s += MB_DOT_LEAF) {
         int64_t n = k - s < MB_DOT_LEAF ? k - s : MB_DOT_LEAF;
-        float v = mb_dot_chain_(n, a + s * sa, sa, b + s * sb, sb);
-        int lv = 0;
-        while (top > 0 && size[top - 1] == lv) {
-            v = part[--top] + v;
-            lv++;
-        }
-        part[top] = v;
-        size[top] = lv;
-        top++;
+        mb_dot_tree_push(&t, mb_dot_chain_(n, a + s * sa, sa, b + s * sb, sb));
     }
-    float v = part[--top];
-    while (top > 0)
-        v = part[--top] + v;
-    return v;
+    return mb_dot_tree_sum(&t);
 }
 
 #endif

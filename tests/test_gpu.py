@@ -177,10 +177,11 @@ def test_cuda_array_interface_input(be, torch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K", [(2, 8192), (2, 8193), (2, 3 * 8192 + 5), (2, 4 * 8192),
-                                 (2, 5 * 8192 - 1), (130, 8193), (130, 3 * 8192 + 5)])
+                                 (2, 5 * 8192 - 1), (20, 3 * 8192 + 5), (130, 8193),
+                                 (130, 3 * 8192 + 5)])
 def test_gemm_leaves_match_reference(be, M, K):
     """dot v1's leaves and pairwise tree (K > 8192) give the C reference's bits, on
-    the GEMV (M <= 8) and the tiled path."""
+    the GEMV (M <= 64) and the tiled path."""
     N = 20
     X, W = rand((M, K), 10 + K % 7), rand((N, K), 20 + K % 5)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
@@ -188,8 +189,10 @@ def test_gemm_leaves_match_reference(be, M, K):
 
 @pytest.mark.gpu
 def test_gemm_tiles_match_reference(be):
-    """Edges of the 128x128 tile and a K that is not a multiple of the k step."""
-    for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (8, 33, 300), (9, 40, 129)]:
+    """Edges of the 128x128 tile, of the GEMV's 32-column and 8-row blocks and of its
+    M <= 64 range, and a K that is not a multiple of the k step."""
+    for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (8, 33, 300), (9, 40, 129),
+                    (64, 50, 700), (65, 50, 700), (3, 97, 2050)]:
         X, W = rand((M, K), M), rand((N, K), N)
         assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K)), (M, N, K)
 
@@ -267,3 +270,113 @@ def test_stream_order_with_torch_side_streams(be, torch):
         got = torch.from_dlpack(y).clone()  # consumer on the side stream
     side.synchronize()
     assert got.cpu().numpy().tobytes() == want
+
+
+def test_stream_refused_by_type():
+    with pytest.raises(TypeError, match="mamba.stream: stream must be a CUDA stream .* got str"):
+        with mamba.stream("legacy"):
+            pass
+    with pytest.raises(ValueError, match="mamba.stream: a stream handle is not negative"):
+        with mamba.stream(-3):
+            pass
+
+
+@pytest.mark.gpu
+def test_caller_stream(be, torch):
+    """Under mamba.stream(side) the work runs on a torch side stream. A forward's
+    output says which stream wrote it and a consumer on that stream is ordered. A
+    session step (no host wait) is ordered after the side stream's late write of
+    its input while the legacy default stream does not wait for it; closing the
+    session on the legacy stream is ordered after the side stream's steps."""
+    dm = 256
+    cpu, gpu = make("mamba1", d_model=dm, backend="cpu"), make("mamba1", d_model=dm, backend="cuda")
+    x = rand((2, 64, dm), 12)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), mamba.stream(side):
+        y = gpu.forward(dev(torch, x))
+        got = torch.from_dlpack(y).clone()
+    assert y.stream == side.cuda_stream == y.__cuda_array_interface__["stream"]
+    side.synchronize()
+    assert got.cpu().numpy().tobytes() == raw(cpu.forward(x))
+
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    cpu.forward(time_slice(x, 0, 3), st_c)
+    gpu.forward(time_slice(x, 0, 3), st_g)
+    outs = []
+    with gpu.decode_session(st_g) as sess:
+        src = dev(torch, time_slice(x, 3, 4))
+        xt = torch.zeros_like(src)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side), mamba.stream(side):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s before the side stream writes x
+            xt.copy_(src)
+            outs.append(torch.from_dlpack(sess.step(xt)).clone())
+            torch.cuda.default_stream().synchronize()
+            assert not side.query(), "the step must be queued on the side stream"
+            for t in range(4, 6):
+                outs.append(torch.from_dlpack(sess.step(dev(torch, time_slice(x, t, t + 1)))).clone())
+    side.synchronize()
+    for t, o in zip(range(3, 6), outs):
+        assert o.cpu().numpy().tobytes() == raw(cpu.step(time_slice(x, t, t + 1), st_c)), t
+    assert state_bytes(st_g) == state_bytes(st_c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 10, 70])
+def test_session_graph_device_inputs(be, torch, B):
+    """A session's graph over device inputs and outputs gives the CPU step's bits, for
+    one GEMV row block, several (B 10) and past the GEMV range (B 70: the residual
+    kernel instead of the fused epilogue)."""
+    cpu, gpu = make("mamba1", d_model=D, backend="cpu"), make("mamba1", d_model=D, backend="cuda")
+    x = rand((B, 6, D), 20 + B)
+    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
+    cpu.forward(time_slice(x, 0, 2), st_c)
+    gpu.forward(time_slice(x, 0, 2), st_g)
+    with gpu.decode_session(st_g) as sess:
+        for t in range(2, 6):
+            xt = time_slice(x, t, t + 1)
+            y = sess.step(dev(torch, xt))
+            assert y.device == "cuda" and y.shape == (B, 1, D)
+            assert host_bytes(y) == raw(cpu.step(xt, st_c)), t
+    assert state_bytes(st_g) == state_bytes(st_c)
+
+
+@pytest.mark.gpu
+def test_session_refuses_device_nonfinite_without_waiting(be, torch):
+    """A non-finite device input to a session step is found on the device: the step
+    returns at once, it and the steps queued after it give NaN and leave the state,
+    and sync_state raises (after copying the state) naming the step and the index.
+    A host input is refused at once. The session then goes on as before."""
+    cpu, gpu = make("mamba1", d_model=D, backend="cpu"), make("mamba1", d_model=D, backend="cuda")
+    x = rand((2, 8, D), 30)
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    cpu.forward(time_slice(x, 0, 2), st_c)
+    gpu.forward(time_slice(x, 0, 2), st_g)
+    idx = D + 5
+    with gpu.decode_session(st_g) as sess:
+        x2 = time_slice(x, 2, 3)
+        assert host_bytes(sess.step(dev(torch, x2))) == raw(cpu.step(x2, st_c))
+        good = cpu.allocate_state(2)
+        for n, p in zip(good._PIECES, st_c.pieces()):
+            memoryview(getattr(good, n)).cast("B")[:] = memoryview(p).cast("B")
+        torch.cuda._sleep(50_000_000)  # the GPU runs the next steps after the host issued them
+        bad = dev(torch, time_slice(x, 3, 4))
+        bad.view(-1)[idx] = float("nan")
+        bad.view(-1)[idx + 3] = float("inf")
+        y_bad = sess.step(bad)
+        y_after = sess.step(dev(torch, time_slice(x, 4, 5)))
+        with pytest.raises(ValueError, match=f"x of step 2 of this session held a non-finite "
+                                             f"value .* flat index {idx};"):
+            sess.sync_state()
+        assert all(math.isnan(v) for v in torch.from_dlpack(y_bad).view(-1).tolist())
+        assert all(math.isnan(v) for v in torch.from_dlpack(y_after).view(-1).tolist())
+        assert state_bytes(st_g) == state_bytes(good), "refused steps must leave the state"
+        hbad = rand((2, 1, D), 31)
+        memoryview(hbad).cast("B").cast("f")[7] = float("-inf")
+        with pytest.raises(ValueError, match="DecodeSession.step: x holds a non-finite value "
+                                             r"\(NaN or inf\) at flat index 7$"):
+            sess.step(hbad)
+        for t in range(3, 6):
+            xt = time_slice(x, t, t + 1)
+            assert host_bytes(sess.step(dev(torch, xt))) == raw(cpu.step(xt, st_c)), t
+    assert state_bytes(st_g) == state_bytes(st_c)

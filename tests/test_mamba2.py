@@ -94,6 +94,25 @@ def test_h_last_is_a_report_and_split_invariant():
     assert (bits(blk.h_last_) == once).all()
 
 
+def test_h_last_is_the_report_of_its_call():
+    """h_last_ is evaluated when read, yet it reports the call that made it: editing
+    the state and the weights in place afterwards does not change it."""
+    x = np.random.default_rng(13).standard_normal((2, 270, 32)).astype(np.float32)
+    runs = []
+    for edit in (False, True):
+        w, blk = setup(32, 13)
+        st = blk.allocate_state(2)
+        blk.forward(x, st)
+        blk.forward(x, st)  # 540 tokens: 28 rows of the third chunk open
+        if edit:
+            for p in st.pieces():
+                np.asarray(p)[...] = 0.5
+            np.asarray(w["dt_bias"])[...] = 3.0
+            np.asarray(w["A_log"])[...] = 0.0
+        runs.append(bits(blk.h_last_))
+    assert (runs[0] == runs[1]).all()
+
+
 def test_h_last_of_ragged_rows_equals_rows_alone():
     w, blk = setup(32, 9)
     x = np.random.default_rng(9).standard_normal((3, 300, 32)).astype(np.float32)

@@ -1,14 +1,15 @@
-"""Mamba-3 beyond the generic lanes: the input-state continuation (set_input_states),
-angles that wrap past 2 pi, the A floor, the reports, and the Mamba-3 refusals.
-Values are checked against the float64 step-recurrence oracle (oracle3) by
-tolerance; what the spec promises as bits is checked bitwise."""
+"""Mamba-3 beyond the generic lanes: SPEC 7 executed literally (spec3, bitwise), the
+input-state continuation (set_input_states), angles that wrap past 2 pi, the A floor,
+the reports, and the Mamba-3 refusals. Values are checked against the float64
+step-recurrence oracle (oracle3) by tolerance; what the spec promises as bits is
+checked bitwise."""
 import numpy as np
 import pytest
 
 import mamba
 import oracle3
 import spec3
-from _util import raw, state_bytes, copy_state
+from _util import raw, state_bytes
 
 DM = 64
 H = 2 * DM // 64
@@ -127,19 +128,23 @@ def test_set_input_states_matches_reference():
 
 
 def test_input_states_decode_equals_prefill():
-    """After set_input_states, steps and one prefill give the same bits."""
+    """After set_input_states, steps, a decode session and one prefill give the same
+    bits."""
     blk = mamba.Mamba3Block(weights(3))
     x = inputs(2, 70, 4)
     st = blk.allocate_state(2)
     blk.forward(x[:, :40], st)
     given = reports(blk)
-    a, b = blk.allocate_state(2), blk.allocate_state(2)
-    a.set_input_states(*given)
-    b.set_input_states(*given)
-    y = blk.forward(x[:, 40:], a)
-    for t in range(40, 70):
-        assert raw(blk.step(x[:, t:t + 1], b)) == raw(np.ascontiguousarray(np.asarray(y)[:, t - 40:t - 39])), t
-    assert state_bytes(a) == state_bytes(b)
+    a, b, c = blk.allocate_state(2), blk.allocate_state(2), blk.allocate_state(2)
+    for s in (a, b, c):
+        s.set_input_states(*given)
+    y = np.asarray(blk.forward(x[:, 40:], a))
+    with blk.decode_session(c) as sess:
+        for t in range(40, 70):
+            want = raw(np.ascontiguousarray(y[:, t - 40:t - 39]))
+            assert raw(blk.step(x[:, t:t + 1], b)) == want, t
+            assert raw(sess.step(x[:, t:t + 1])) == want, t
+    assert state_bytes(a) == state_bytes(b) == state_bytes(c)
 
 
 def test_set_input_states_accepts_aliased_pieces():

@@ -1,32 +1,56 @@
 /* Causal depthwise conv (4 taps, oldest first, bias-seeded fma chain) then silu,
  * the GPU twin of reference/conv.c, over a batch of packed rows: row b holds
  * tokens [off[b], off[b+1]) of in (ld ldi). window (B, C, 4) holds each row's four
- * inputs before the call; mb_conv_window_k, launched after, moves it on. */
-#include "vendor.h"
-#include "numerics.h"
+ * inputs before the call; mb_conv_window_k, launched after, moves it on. A decode
+ * step (one token per row) takes mb_conv_step_k, which does both. F is the
+ * numeric mode's silu (modes.h). */
+#include "modes.h"
 
 #define TAPS 4
 
+template <class F>
+MB_DEV float conv_taps(const float *w, float bias, const float v[TAPS])
+{
+    float acc = bias;
+#pragma unroll
+    for (int k = 0; k < TAPS; k++) acc = fmaf(w[k], v[k], acc);
+    return F::silu(acc);
+}
+
 /* Grid (x over len * C, y over rows). */
-MB_KERNEL void mb_conv_silu_k(int64_t B, const int64_t *off, int64_t C, const float *in,
-                              int64_t ldi, const float *window, const float *w,
-                              const float *bias, float *u, int64_t ldu)
+template <class F>
+MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in, int64_t ldi,
+                      const float *window, const float *w, const float *bias, float *u,
+                      int64_t ldu)
 {
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], len = off[b + 1] - o;
         const float *win = window + b * C * TAPS;
         MB_GRID_LOOP(i, len * C) {
             const int64_t t = i / C, c = i % C;
-            float acc = bias[c];
+            float v[TAPS];
 #pragma unroll
             for (int k = 0; k < TAPS; k++) {
                 const int64_t p = t - (TAPS - 1) + k;
-                const float v = p >= 0 ? in[(o + p) * ldi + c] : win[c * TAPS + TAPS + p];
-                acc = fmaf(w[c * TAPS + k], v, acc);
+                v[k] = p >= 0 ? in[(o + p) * ldi + c] : win[c * TAPS + TAPS + p];
             }
-            u[(o + t) * ldu + c] = mb_silu(acc);
+            u[(o + t) * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
         }
     }
+}
+
+MB_KERNEL void mb_conv_silu_k(int64_t B, const int64_t *off, int64_t C, const float *in,
+                              int64_t ldi, const float *window, const float *w,
+                              const float *bias, float *u, int64_t ldu)
+{
+    conv_silu<mb_identical>(B, off, C, in, ldi, window, w, bias, u, ldu);
+}
+
+MB_KERNEL void mb_fast_conv_silu_k(int64_t B, const int64_t *off, int64_t C, const float *in,
+                                   int64_t ldi, const float *window, const float *w,
+                                   const float *bias, float *u, int64_t ldu)
+{
+    conv_silu<mb_fast>(B, off, C, in, ldi, window, w, bias, u, ldu);
 }
 
 /* Slot j takes position len - 4 + j, from the input or, for a short row, from the
@@ -42,6 +66,41 @@ MB_KERNEL void mb_conv_window_k(int64_t B, const int64_t *off, int64_t C, const 
             win[j] = p >= 0 ? in[(o + p) * ldi + c] : win[TAPS + p];
         }
     }
+}
+
+/* One token per row (row b of in is its token): the window's last three inputs
+ * and the token make the taps, then the window moves on by one, unless the
+ * session guard refused the step. */
+template <class F>
+MB_DEV void conv_step(int64_t B, int64_t C, const float *in, int64_t ldi, float *window,
+                      const float *w, const float *bias, float *u, int64_t ldu,
+                      const unsigned long long *guard)
+{
+    const bool keep = !mb_refused(guard);
+    MB_GRID_LOOP(i, B * C) {
+        const int64_t b = i / C, c = i % C;
+        float *win = window + i * TAPS;
+        const float v[TAPS] = {win[1], win[2], win[3], in[b * ldi + c]};
+        u[b * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
+        if (keep) {
+#pragma unroll
+            for (int k = 0; k < TAPS; k++) win[k] = v[k];
+        }
+    }
+}
+
+MB_KERNEL void mb_conv_step_k(int64_t B, int64_t C, const float *in, int64_t ldi, float *window,
+                              const float *w, const float *bias, float *u, int64_t ldu,
+                              const unsigned long long *guard)
+{
+    conv_step<mb_identical>(B, C, in, ldi, window, w, bias, u, ldu, guard);
+}
+
+MB_KERNEL void mb_fast_conv_step_k(int64_t B, int64_t C, const float *in, int64_t ldi,
+                                   float *window, const float *w, const float *bias, float *u,
+                                   int64_t ldu, const unsigned long long *guard)
+{
+    conv_step<mb_fast>(B, C, in, ldi, window, w, bias, u, ldu, guard);
 }
 
 #undef TAPS

@@ -1,11 +1,57 @@
-/* First NaN or +-inf of a device buffer (SPEC 9): an integer atomicMin of the
- * flat index, so the answer is the first bad index whatever the schedule. *first
- * must hold all ones before the launch. */
+/* Refusal of non-finite device inputs (SPEC 9). */
 #include "vendor.h"
 
+/* First NaN or +-inf of a device buffer: an integer atomicMin of the flat index,
+ * so the answer is the first bad index whatever the schedule. *first must hold all
+ * ones before the launch. */
 MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long long *first)
 {
     MB_GRID_LOOP(i, n) {
         if ((x[i] & 0x7f800000u) == 0x7f800000u) atomicMin(first, (unsigned long long)i);
     }
 }
+
+/* A decode session's guard, the first kernel of each step (one block), so that a
+ * step checks its input without the host waiting for it. g[0] is the guard word
+ * (all ones while no step has been refused; the state-writing kernels read it),
+ * g[1] the refused step's number, g[2] the count of steps run. The first bad flat
+ * index of a step's x and its step number are also written to host (mapped host
+ * memory, the number first) for the host to read without a driver call. Once a
+ * step is refused the later ones are too, until the host resets g[0]. */
+#define GUARD_LOADS 8
+
+MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long *g,
+                               volatile unsigned long long *host)
+{
+    __shared__ unsigned long long first;
+    if (threadIdx.x == 0) first = ~0ull;
+    __syncthreads();
+    const bool open = g[0] == ~0ull;
+    /* GUARD_LOADS loads in flight per thread: one block must not walk x one load at a time. */
+    if (open)
+        for (int64_t i0 = threadIdx.x; i0 < n; i0 += GUARD_LOADS * blockDim.x) {
+            uint32_t v[GUARD_LOADS];
+#pragma unroll
+            for (int u = 0; u < GUARD_LOADS; u++) {
+                const int64_t i = i0 + u * blockDim.x;
+                v[u] = i < n ? x[i] : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < GUARD_LOADS; u++)
+                if ((v[u] & 0x7f800000u) == 0x7f800000u)
+                    atomicMin(&first, (unsigned long long)(i0 + u * blockDim.x));
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (open && first != ~0ull) {
+            g[0] = first;
+            g[1] = g[2];
+            host[1] = g[2];
+            __threadfence_system();
+            host[0] = first;
+        }
+        g[2] = g[2] + 1;
+    }
+}
+
+#undef GUARD_LOADS

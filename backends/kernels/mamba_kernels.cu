@@ -8,3 +8,4 @@
 #include "rows.cu"
 #include "finite.cu"
 #include "copy.cu"
+#include "fast.cu"

@@ -4,9 +4,10 @@
  * each holding NS / LANES states in registers; y = dot(C, h) is then the serial
  * chain over n = 0..15 with every term fetched from its lane by a shuffle, which
  * spells dot v1 exactly. delta's bias add and softplus, and A = -exp(A_log), are
- * computed here (every lane of a channel computes the same bits). */
-#include "vendor.h"
-#include "numerics.h"
+ * computed here (every lane of a channel computes the same bits). F is the numeric
+ * mode's transcendentals (modes.h). In a decode session, a step refused by the
+ * guard leaves h alone. */
+#include "modes.h"
 
 #define NS 16
 #define LANES 4
@@ -14,10 +15,11 @@
 
 /* Grid (x over channels * LANES threads, y over rows); blockDim a multiple of 32.
  * xdbl rows are (dt_low (R) | B (16) | C (16)). */
-MB_KERNEL void mb_scan1_k(int64_t B, const int64_t *off, int64_t di, int64_t R,
-                          const float *dtp, const float *dt_b, const float *u, const float *xz,
-                          const float *xdbl, const float *A_log, const float *D, float *h,
-                          float *yi)
+template <class F>
+MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const float *dtp,
+                  const float *dt_b, const float *u, const float *xz, const float *xdbl,
+                  const float *A_log, const float *D, float *h, float *yi,
+                  const unsigned long long *guard)
 {
     const int64_t XR = R + 2 * NS;
     const int q = threadIdx.x % LANES;
@@ -28,7 +30,7 @@ MB_KERNEL void mb_scan1_k(int64_t B, const int64_t *off, int64_t di, int64_t R,
     const int64_t c = live ? cl : di - 1;
     float a[PER];
 #pragma unroll
-    for (int j = 0; j < PER; j++) a[j] = -mb_exp(A_log[c * NS + q * PER + j]);
+    for (int j = 0; j < PER; j++) a[j] = -F::exp(A_log[c * NS + q * PER + j]);
     const float bias = dt_b[c], Dc = D[c];
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         float *hp = h + (b * di + c) * NS + q * PER;
@@ -53,11 +55,11 @@ MB_KERNEL void mb_scan1_k(int64_t B, const int64_t *off, int64_t di, int64_t R,
 #pragma unroll
             for (int i = 0; i < 3 + PER + NS; i++) in[i] = nx[i];
             if (t + 1 < t1) MB_SCAN_LOAD(nx, t + 1)
-            const float dl = mb_softplus(in[0] + bias);
+            const float dl = F::softplus(in[0] + bias);
             const float uu = in[1];
 #pragma unroll
             for (int j = 0; j < PER; j++) {
-                const float dA = mb_exp(dl * a[j]);
+                const float dA = F::exp(dl * a[j]);
                 const float dBu = (dl * in[3 + j]) * uu;
                 hh[j] = fmaf(dA, hh[j], dBu);
             }
@@ -66,14 +68,31 @@ MB_KERNEL void mb_scan1_k(int64_t B, const int64_t *off, int64_t di, int64_t R,
             for (int n = 0; n < NS; n++)
                 acc = fmaf(in[3 + PER + n], MB_SHFL(hh[n % PER], n / PER, LANES), acc);
             if (q == 0 && live)
-                yi[t * di + c] = (acc + uu * Dc) * mb_silu(in[2]);
+                yi[t * di + c] = (acc + uu * Dc) * F::silu(in[2]);
         }
 #undef MB_SCAN_LOAD
-        if (live)
+        if (live && !mb_refused(guard))
 #pragma unroll
             for (int j = 0; j < PER; j++) hp[j] = hh[j];
     }
 }
+
+#define MB_SCAN1_ARGS                                                                 \
+    int64_t B, const int64_t *off, int64_t di, int64_t R, const float *dtp, const float *dt_b, \
+        const float *u, const float *xz, const float *xdbl, const float *A_log, const float *D, \
+        float *h, float *yi, const unsigned long long *guard
+
+MB_KERNEL void mb_scan1_k(MB_SCAN1_ARGS)
+{
+    scan1<mb_identical>(B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard);
+}
+
+MB_KERNEL void mb_fast_scan1_k(MB_SCAN1_ARGS)
+{
+    scan1<mb_fast>(B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard);
+}
+
+#undef MB_SCAN1_ARGS
 
 #undef NS
 #undef LANES

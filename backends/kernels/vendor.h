@@ -12,14 +12,75 @@
 
 #define MB_KERNEL extern "C" __global__
 #define MB_BOUNDS(threads) __launch_bounds__(threads)
+#define MB_BOUNDS_MIN(threads, blocks) __launch_bounds__(threads, blocks)
 #define MB_DEV static __device__ __forceinline__
 
 /* v from lane src of each aligned group of width lanes (every lane must take part). */
 #if defined(__HIPCC__)
 #define MB_SHFL(v, src, width) __shfl((v), (src), (width))
+#define MB_SHFL_XOR(v, mask) __shfl_xor((v), (mask))
 #else
 #define MB_SHFL(v, src, width) __shfl_sync(0xffffffffu, (v), (src), (width))
+#define MB_SHFL_XOR(v, mask) __shfl_xor_sync(0xffffffffu, (v), (mask))
 #endif
+
+/* Asynchronous global -> shared copies (cp.async on sm_80+), so a block keeps
+ * several stages of a tile in flight while it computes on an earlier one. A copy of
+ * src_bytes < size zero-fills the rest and reads only src_bytes. HIP copies at once. */
+#if defined(__HIPCC__)
+MB_DEV void mb_cp_async16(float *dst, const float *src, int src_bytes)
+{
+    for (int i = 0; i < 4; i++) dst[i] = 4 * i < src_bytes ? src[i] : 0.0f;
+}
+MB_DEV void mb_cp_async4(float *dst, const float *src, int src_bytes)
+{
+    *dst = src_bytes ? *src : 0.0f;
+}
+MB_DEV void mb_cp_commit() {}
+template <int N> MB_DEV void mb_cp_wait() {}
+#else
+MB_DEV void mb_cp_async16(float *dst, const float *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::
+                 "r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes));
+}
+MB_DEV void mb_cp_async4(float *dst, const float *src, int src_bytes)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::
+                 "r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src), "r"(src_bytes));
+}
+MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+/* Wait until at most N committed groups of this thread are still in flight. */
+template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+#endif
+
+/* Stage rows [0, nrows) x k in [k, k + kc) of a row-major matrix (ld floats) into
+ * shared memory with row stride sld (a multiple of 4); terms at or past k1 are
+ * zero-filled and never read. vec: ld, src and k are 16-byte aligned. Shared by
+ * the threads of a block (tid of nthreads); completes at mb_cp_wait. */
+MB_DEV void mb_stage_rows(float *dst, int sld, const float *src, int64_t ld, int nrows, int kc,
+                          int64_t k, int64_t k1, bool vec, int tid, int nthreads)
+{
+    const int q = kc / 4;
+    for (int i = tid; i < nrows * q; i += nthreads) {
+        const int r = i / q, c = (i % q) * 4;
+        const float *s = src + r * ld + k + c;
+        float *d = dst + r * sld + c;
+        const int64_t left = k1 - (k + c);
+        if (vec) {
+            mb_cp_async16(d, left > 0 ? s : src, left >= 4 ? 16 : left > 0 ? 4 * (int)left : 0);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) mb_cp_async4(d + j, left > j ? s + j : src, left > j ? 4 : 0);
+        }
+    }
+}
+
+/* A decode session's guard word (finite.cu): all ones while no step has been
+ * refused; a refused step leaves the state alone and writes NaN outputs. Kernels
+ * called outside a session get NULL. */
+#define MB_QNAN __int_as_float(0x7fc00000)
+MB_DEV bool mb_refused(const unsigned long long *guard) { return guard && *guard != ~0ull; }
 
 /* First index of a grid-stride loop over n items in x, and its stride. */
 #define MB_GRID_LOOP(i, n)                                                          \
