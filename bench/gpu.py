@@ -61,6 +61,26 @@ def gemm_rate(be, M, N, K):
     return out
 
 
+def decode_gemv_us(be, M, N, K, fast, reps=20):
+    """Device us of one decode projection: reps launches captured in a graph and
+    replayed (so launch gaps are those of a graph, as in a session step)."""
+    cu = be.cu
+    X = torch.randn(M, K, device="cuda")
+    W = torch.randn(N, K, device="cuda")
+    Y = torch.empty(M, N, device="cuda")
+    cs = be._capture_stream()
+    cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    for _ in range(reps):
+        be.gemm(cs, M, N, K, X.data_ptr(), K, W.data_ptr(), K, Y.data_ptr(), N, fast=fast)
+    graph = cu.cuStreamEndCapture(cs)[1]
+    exe = cu.cuGraphInstantiate(graph, 0)[1]
+    s = be.stream().cu
+    us = events_ms(lambda: cu.cuGraphLaunch(exe, s)) / reps * 1e3
+    cu.cuGraphExecDestroy(exe)
+    cu.cuGraphDestroy(graph)
+    return us
+
+
 def session_rates(blk, B, dm, n=300):
     """Wall us per sess.step (Python loop, device x, no sync per step) and device us
     per replay of the step's graph."""
@@ -132,6 +152,12 @@ def main():
     for name, (m, n, k) in {"in_proj": (M, 2 * di, dm), "out_proj": (M, dm, di),
                             "x_proj": (M, R + 32, di)}.items():
         res[f"gemm_{name}"] = gemm_rate(be, m, n, k)
+    shapes = {"in_proj": (2 * di, dm), "x_proj": (R + 32, di), "dt_proj": (di, R),
+              "out_proj": (dm, di)}
+    for mode in blocks:
+        for b in (1, 32):
+            res[f"decode_gemv_{mode}_B{b}"] = {
+                name: decode_gemv_us(be, b, n, k, mode == "fast") for name, (n, k) in shapes.items()}
     for mode, blk in blocks.items():
         for b in (1, 32):
             res[f"session_{mode}_B{b}"] = session_rates(blk, b, dm)
@@ -152,8 +178,12 @@ def main():
             r = res[f"session_{mode}_B{b}"]
             print(f"session {mode:9s} B {b:2d}: {r['wall_us']:.1f} us wall per step, "
                   f"{r['graph_us']:.1f} us per graph replay")
+    for mode in blocks:
+        for b in (1, 32):
+            g = res[f"decode_gemv_{mode}_B{b}"]
+            print(f"decode GEMVs {mode:9s} B {b:2d} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in g.items()))
     for key in ("forward_identical", "forward_fast", "session_identical_B1", "session_fast_B1",
-                "session_identical_B32"):
+                "session_identical_B32", "session_fast_B32"):
         print(f"{key} kernels (ms): " + ", ".join(
             f"{k} {v:.4f}" for k, v in list(res[key]["kernels_ms"].items())[:10]))
     print(f"mamba-ssm         {res['mamba_ssm']}")

@@ -141,6 +141,12 @@ cdef extern from *:
 DEF MAX_NDIM = 8
 cdef int KDLCPU = 1
 cdef int KDLCUDA = 2
+cdef int KDLROCM = 10
+
+
+cdef int _dl_device_type(str device):
+    return KDLCPU if device == "cpu" else (KDLROCM if device == "hip" else KDLCUDA)
+
 
 cdef void _dl_deleter(mb_DLManagedTensor *t) noexcept nogil:
     with gil:
@@ -304,7 +310,7 @@ cdef class Array:
         return out
 
     def __dlpack_device__(self):
-        return (KDLCPU if self.device == "cpu" else KDLCUDA, self.device_id)
+        return (_dl_device_type(self.device), self.device_id)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
@@ -315,7 +321,7 @@ cdef class Array:
         if t == NULL:
             raise MemoryError()
         t.dl_tensor.data = <void *>self._ptr
-        t.dl_tensor.device.device_type = KDLCPU if self.device == "cpu" else KDLCUDA
+        t.dl_tensor.device.device_type = _dl_device_type(self.device)
         t.dl_tensor.device.device_id = self.device_id
         t.dl_tensor.ndim = len(self.shape)
         t.dl_tensor.dtype.code = 2   # kDLFloat

@@ -292,7 +292,7 @@ class CudaBackend:
     def _ck(self, res, what):
         err = res[0]
         if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"mamba cuda: {what} failed: {_err_name(self.cu, err)}")
+            raise CudaError(f"mamba {self.name}: {what} failed: {_err_name(self.cu, err)}")
         return res[1] if len(res) == 2 else res[1:]
 
     def _attr(self, a):
@@ -342,19 +342,19 @@ class CudaBackend:
         for d in shape:
             n *= d
         mem = _Mem(self, 4 * n)
-        return _core.wrap_device(tuple(shape), mem.ptr, "cuda", self.device_id, mem)
+        return _core.wrap_device(tuple(shape), mem.ptr, self.name, self.device_id, mem)
 
     def empty(self, shape, like=None):
         """A call's output: on the device (from the pool, on the current stream) when
         `like` is a device array, else on the host."""
         self._enter()
-        if like is not None and like.device == "cuda":
+        if like is not None and like.device == self.name:
             s = self.stream()
             n = 1
             for d in shape:
                 n *= d
             mem = _PoolMem(self, 4 * n, s)
-            return _core.wrap_device(tuple(shape), mem.ptr, "cuda", self.device_id, mem,
+            return _core.wrap_device(tuple(shape), mem.ptr, self.name, self.device_id, mem,
                                      stream=s.number)
         return _core.empty(shape)
 
@@ -440,11 +440,11 @@ class CudaBackend:
         if dname != "float32":
             _core._refuse_dtype(what, name, dname)
         if dev_id != self.device_id:
-            raise ValueError(f"mamba {what}: {name} is on cuda:{dev_id}, but the CUDA backend "
-                             f"runs on cuda:{self.device_id}")
+            raise ValueError(f"mamba {what}: {name} is on {self.name}:{dev_id}, but the "
+                             f"{self.name.upper()} backend runs on {self.name}:{self.device_id}")
         if writable and readonly:
             raise ValueError(f"mamba {what}: {name} must be writable (it is updated in place)")
-        a = _core.wrap_device(shape, ptr, "cuda", dev_id, owner, readonly, stream=s.number)
+        a = _core.wrap_device(shape, ptr, self.name, dev_id, owner, readonly, stream=s.number)
         if _is_c_contiguous(shape, strides):
             return a
         if writable:
@@ -527,7 +527,7 @@ class CudaBackend:
     def _on_device(self, sc, a, writeback=None):
         """Device address of a host or device array; a host one is uploaded to scratch
         (and, when writeback is a list, queued to be copied back after the call)."""
-        if a.device == "cuda":
+        if a.device == self.name:
             return a.ptr
         p = sc.upload(a.ptr, 4 * a.size)
         if writeback is not None:
@@ -594,7 +594,7 @@ class CudaBackend:
             xd = self._on_device(sc, x)
             cw = self._on_device(sc, pieces[0], back)
             h = self._on_device(sc, pieces[1], back)
-            yd = y.ptr if y.device == "cuda" else sc(B * L * dm)
+            yd = y.ptr if y.device == self.name else sc(B * L * dm)
             bufs = _M1Buffers(self, sc, M, dm, lengths is not None)
             self._m1_launch(s.cu, fast, w, dm, B, L, off, M, xd, cw, h, yd, bufs,
                             lengths is not None)

@@ -67,7 +67,9 @@ class Mamba2Block(_Block):
 
     After every call h_last_ (B, H, 64, 128) holds each row's SSM state after its last
     token with the open chunk folded as if it were closed (upstream final_states). It
-    is a report, not the resumption state: on a chunk boundary it equals state.h.
+    is a report, not the resumption state: on a chunk boundary it equals state.h. It
+    is folded when first read, from copies taken at the call, so later edits of the
+    state or the weights do not change it.
     """
     _W_NAMES = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                 "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
@@ -77,7 +79,7 @@ class Mamba2Block(_Block):
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode="identical",
                  backend="auto"):
-        self.dt_limit = _dt_limit(dt_limit, type(self).__name__)
+        self._dt_lim = _dt_limit(dt_limit, type(self).__name__)
         super().__init__(weights, numeric_mode=numeric_mode, backend=backend)
 
     def _check_d_model(self, what):
@@ -122,6 +124,11 @@ class Mamba2Block(_Block):
         if not ok:
             raise ValueError(f"mamba {what}: state.buffered_tokens must be an integer in "
                              f"[0, {CHUNK}), got {n!r}")
+
+    @property
+    def dt_limit(self):
+        """(lo, hi) as applied (float32 values)."""
+        return self._dt_lim
 
     @property
     def h_last_(self):

@@ -359,12 +359,12 @@ def test_session_refuses_device_nonfinite_without_waiting(be, torch):
         good = cpu.allocate_state(2)
         for n, p in zip(good._PIECES, st_c.pieces()):
             memoryview(getattr(good, n)).cast("B")[:] = memoryview(p).cast("B")
-        torch.cuda._sleep(50_000_000)  # the GPU runs the next steps after the host issued them
-        bad = dev(torch, time_slice(x, 3, 4))
+        bad, after = dev(torch, time_slice(x, 3, 4)), dev(torch, time_slice(x, 4, 5))
         bad.view(-1)[idx] = float("nan")
         bad.view(-1)[idx + 3] = float("inf")
+        torch.cuda._sleep(100_000_000)  # the GPU runs the next steps after the host issued them
         y_bad = sess.step(bad)
-        y_after = sess.step(dev(torch, time_slice(x, 4, 5)))
+        y_after = sess.step(after)
         with pytest.raises(ValueError, match=f"x of step 2 of this session held a non-finite "
                                              f"value .* flat index {idx};"):
             sess.sync_state()

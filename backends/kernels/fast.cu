@@ -1,7 +1,7 @@
 /* numeric_mode="fast" (SPEC 3): the same block maths on faster schedules. It
  * promises accuracy (relative L2 error <= 2e-3 against float64), never bits.
  *   mb_fast_gemm_k     Y = X . W^T on the tensor cores in TF32 (operands rounded to
- *                      nearest, 10-bit mantissa; products summed in fp32).
+ *                      a 10-bit mantissa; products summed in fp32).
  *   mb_fast_gemv_k     few rows of X (decode): each output's K terms split over a
  *                      warp's lanes and summed by shuffles.
  *   mb_fast_rmsnorm_k  the sum of squares split over a block.
@@ -24,12 +24,10 @@
 #define TB_THREADS 256
 
 #if !defined(__HIPCC__)
-MB_DEV uint32_t mb_tf32(float x)
-{
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-    return r;
-}
+/* TF32 operand, rounded to nearest (ties away) by adding half a unit of its 10-bit
+ * mantissa: the tensor core ignores the 13 low bits. One integer add, where
+ * cvt.rna.tf32.f32 costs several instructions on sm_90 (inf inputs become NaN). */
+MB_DEV uint32_t mb_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 MB_DEV void mb_mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2])
 {

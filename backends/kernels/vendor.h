@@ -62,6 +62,13 @@ MB_DEV void mb_stage_rows(float *dst, int sld, const float *src, int64_t ld, int
                           int64_t k, int64_t k1, bool vec, int tid, int nthreads)
 {
     const int q = kc / 4;
+    if (vec && k + kc <= k1) { /* the common case: whole aligned rows, no edge */
+        for (int i = tid; i < nrows * q; i += nthreads) {
+            const int r = i / q, c = (i % q) * 4;
+            mb_cp_async16(dst + r * sld + c, src + r * ld + k + c, 16);
+        }
+        return;
+    }
     for (int i = tid; i < nrows * q; i += nthreads) {
         const int r = i / q, c = (i % q) * 4;
         const float *s = src + r * ld + k + c;
