@@ -148,18 +148,20 @@ def supports(be, op):
 def _foreign_device(obj):
     if hasattr(obj, "__dlpack_device__"):
         kind, _ = obj.__dlpack_device__()
-        return "cuda" if kind in (2, 13) else None  # kDLCUDA, kDLCUDAManaged
+        # kDLCUDA, kDLCUDAManaged; kDLROCM
+        return "cuda" if kind in (2, 13) else "hip" if kind == 10 else None
     return "cuda" if hasattr(obj, "__cuda_array_interface__") else None
 
 
 def intake_foreign(obj, what, name, writable=False):
-    """Arrays that speak only DLPack or the CUDA array interface: CUDA ones (torch.cuda
-    tensors, CuPy arrays) go to the CUDA backend, which borrows them on the device."""
-    if _foreign_device(obj) == "cuda":
-        be, why = _get("cuda")
+    """Arrays that speak only DLPack or the CUDA array interface: GPU ones (torch.cuda
+    tensors, CuPy arrays) go to their vendor's backend, which borrows them on the device."""
+    dev = _foreign_device(obj)
+    if dev is not None:
+        be, why = _get(dev)
         if be is None:
-            raise ValueError(f"mamba {what}: {name} lives on a CUDA device, but the CUDA "
-                             f"backend is not usable: {why}")
+            raise ValueError(f"mamba {what}: {name} lives on a {dev.upper()} device, but the "
+                             f"{dev.upper()} backend is not usable: {why}")
         return be.intake(obj, what, name, writable)
     raise TypeError(f"mamba {what}: {name} is a {type(obj).__name__} without the buffer "
                     "protocol; pass a float32 host array or a CUDA array")
