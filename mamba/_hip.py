@@ -104,7 +104,7 @@ class Driver:
         "cuMemHostGetDevicePointer": "hipHostGetDevicePointer",
         "cuMemcpyHtoD": "hipMemcpyHtoD", "cuMemcpyHtoDAsync": "hipMemcpyHtoDAsync",
         "cuMemcpyDtoHAsync": "hipMemcpyDtoHAsync", "cuMemcpyDtoDAsync": "hipMemcpyDtoDAsync",
-        "cuMemsetD8Async": "hipMemsetD8Async",
+        "cuMemsetD8Async": "hipMemsetD8Async", "cuDeviceGetAttribute": "hipDeviceGetAttribute",
         "cuLaunchKernel": "hipModuleLaunchKernel",
         "cuStreamCreate": "hipStreamCreateWithFlags", "cuStreamSynchronize": "hipStreamSynchronize",
         "cuStreamWaitEvent": "hipStreamWaitEvent", "cuStreamBeginCapture": "hipStreamBeginCapture",
@@ -121,6 +121,10 @@ class Driver:
 
     def __init__(self, hip):
         self.hip = hip
+        missing = [h for h in self._TWINS.values() if not hasattr(hip, h)]
+        if missing:
+            raise CudaError(f"this hip-python lacks {', '.join(missing)}; install a newer "
+                            "rocm-bindings-hip")
         for cu_name, hip_name in self._TWINS.items():
             setattr(self, cu_name, getattr(hip, hip_name))
         ns = types.SimpleNamespace
