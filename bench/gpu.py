@@ -16,7 +16,7 @@ import time
 import torch
 
 import mamba
-from mamba import _backends
+from mamba import _backends, _core
 
 CEILING = 51.0  # TFLOP/s, fp32 FFMA
 
@@ -99,6 +99,17 @@ def session_rates(blk, B, dm, n=300):
         out["wall_us"] = (time.perf_counter() - t0) / n * 1e6
         run = sess._run
         s = be.stream().cu
+        # the host side of a step: taking the torch tensor in (DLPack), then the rest
+        t0 = time.perf_counter()
+        for i in range(n):
+            a = _core.intake(xs[i % 4], "bench", "x")
+        out["host_intake_us"] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            y = run.step(a, "bench")
+        torch.cuda.synchronize()
+        out["host_runner_us"] = (time.perf_counter() - t0) / n * 1e6
 
         def replay():
             for _ in range(n):
@@ -177,7 +188,8 @@ def main():
         for b in (1, 32):
             r = res[f"session_{mode}_B{b}"]
             print(f"session {mode:9s} B {b:2d}: {r['wall_us']:.1f} us wall per step, "
-                  f"{r['graph_us']:.1f} us per graph replay")
+                  f"{r['graph_us']:.1f} us per graph replay; host: intake {r['host_intake_us']:.1f} "
+                  f"us, the rest of a step {r['host_runner_us']:.1f} us")
     for mode in blocks:
         for b in (1, 32):
             g = res[f"decode_gemv_{mode}_B{b}"]

@@ -112,14 +112,20 @@ def stream(s):
         _current.entry = prev
 
 
+_handles = {}  # protocol number -> CUstream (made once: a decode step makes few calls)
+
+
 class _Stream:
     """The current stream: its driver handle, protocol number and owning object."""
     __slots__ = ("cu", "number", "owner")
 
     def __init__(self, cu, number, owner):
         self.number, self.owner = number, owner
-        self.cu = cu.CUstream(cu.CU_STREAM_LEGACY if number == LEGACY else
-                              cu.CU_STREAM_PER_THREAD if number == PER_THREAD else number)
+        self.cu = _handles.get(number)
+        if self.cu is None:
+            self.cu = _handles[number] = cu.CUstream(
+                cu.CU_STREAM_LEGACY if number == LEGACY else
+                cu.CU_STREAM_PER_THREAD if number == PER_THREAD else number)
 
 
 def probe():

@@ -89,6 +89,8 @@ def probe():
                         props.multiProcessorCount)
     except CudaError as e:
         return None, str(e)
+    except Exception as e:  # no AMD GPU has run this code yet: report, never raise
+        return None, f"the HIP backend failed to start on {props.name} ({arch}): {e!r}"
     return be, be.description
 
 

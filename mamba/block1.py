@@ -34,6 +34,7 @@ class Mamba1Block(_Block):
                 "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
                 "out_proj.weight")
     _STATE = Mamba1State
+    _KIND = "m1"
     profile = PROFILE
 
     @property

@@ -74,6 +74,7 @@ class Mamba2Block(_Block):
     _W_NAMES = ("block_norm.weight", "in_proj.weight", "conv1d.weight", "conv1d.bias",
                 "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
     _STATE = Mamba2State
+    _KIND = "m2"
     profile = PROFILE
     _report = _h_last = None
 

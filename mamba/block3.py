@@ -108,6 +108,7 @@ class Mamba3Block(_Block):
     _W_NAMES = ("block_norm.weight", "in_proj.weight", "dt_bias", "B_norm.weight",
                 "C_norm.weight", "B_bias", "C_bias", "D", "out_proj.weight")
     _STATE = Mamba3State
+    _KIND = "m3"
     profile = PROFILE
     h_last_ = k_last_ = v_last_ = theta_last_ = None
 

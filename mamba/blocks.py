@@ -149,6 +149,30 @@ class _Block:
                              "(allocate_state(B) makes a fresh one)")
         return self._call(x, state, True, None)
 
+    def backward(self, x, grad_output):
+        """Gradients of a zero-state prefill (a vector-Jacobian product).
+
+        Recomputes the forward with the current weights; no earlier call or state
+        is used or changed. Returns a dict: 'x' and one gradient per weight, under
+        the weight names and with the weights' shapes. In identical mode every
+        gradient is a pure function of (weights, x, grad_output), equal on every
+        backend; docs/numerics.md gives each reduction's order.
+        """
+        what = type(self).__name__ + ".backward"
+        x = chk.tokens(x, what, self.d_model, False)
+        chk.finite(x, what, "x")
+        dy = chk.f32(grad_output, what, "grad_output")
+        chk.shape(dy, what, "grad_output", x.shape)
+        chk.finite(dy, what, "grad_output")
+        be = self._backend
+        if not hasattr(be, self._KIND + "_backward"):
+            raise NotImplementedError(f"mamba {what}: backward is not available on the "
+                                      f"{be.name} backend yet")
+        gx = be.empty(x.shape, like=x)
+        gw = tuple(be.empty(a.shape, like=x) for a in self._w)
+        self._backward_kernel(self._dev_w, x, dy, gx, gw)
+        return dict(zip(("x",) + self._W_NAMES, (gx,) + gw))
+
     def decode_session(self, state):
         """Open a DecodeSession for token-by-token decoding from `state`.
 

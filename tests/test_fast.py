@@ -25,7 +25,6 @@ def check(y, x, want, what):
     assert rel(y, want) <= BOUND, what
     e = rel(y - x, want - x)
     assert e <= BOUND, f"{what}: mixer error {e:.2e}"
-    return e
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +40,11 @@ def test_fast_forward_within_bound(weights, backend, B, L):
     x = np.random.default_rng(L).standard_normal((B, L, DM)).astype(np.float32)
     want = oracle1.forward({k: np.asarray(v, np.float64) for k, v in weights.items()},
                            x.astype(np.float64))
-    e = check(blk.forward(x), x, want, f"forward {backend} {(B, L)}")
-    if backend != "cpu":
-        # the fast kernels ran: the identical block on this backend has ~1e-6 error
-        ident = mamba.Mamba1Block(weights, backend=backend)
-        assert rel(np.asarray(ident.forward(x), np.float64) - x, want - x) < 1e-5 < e
+    y = blk.forward(x)
+    check(y, x, want, f"forward {backend} {(B, L)}")
+    if backend != "cpu":  # the fast kernels ran, not the identical ones
+        assert bytes(memoryview(y)) != bytes(memoryview(mamba.Mamba1Block(
+            weights, backend=backend).forward(x)))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -97,6 +97,8 @@ def test_code_object_holds_every_kernel_for_its_target(target):
         assert (rsrc1 >> 12) & 3 == 0, f"{k}: float32 rounding is not to nearest even"
 
 
+@pytest.mark.xfail(strict=True, reason="mb_gemv_k and mb_rms_k stage 4 x 128-float chunks, "
+                   "sized for the H200; AMD needs 3 stages at most (docs/hip.md)")
 def test_kernels_fit_amd_lds_without_opt_in():
     """HipBackend sets no dynamic shared memory attribute: an AMD kernel may use up to
     64 KiB of LDS without one."""
@@ -206,6 +208,12 @@ class FakeHip:
         return self.hipError_t.hipErrorInvalidImage, None
 
 
+def bare_driver(hip):
+    """Just what HipBackend uses before its kernels load."""
+    return types.SimpleNamespace(
+        hip=hip, CUresult=types.SimpleNamespace(CUDA_SUCCESS=hip.hipError_t.hipSuccess))
+
+
 @pytest.fixture
 def built(monkeypatch):
     """A build with one code object, for gfx90a."""
@@ -243,11 +251,31 @@ def test_probe_loads_the_code_object_of_the_gpu(monkeypatch, built):
     the reason."""
     fake = FakeHip()
     monkeypatch.setattr(_hip, "_import_hip", lambda: fake)
-    monkeypatch.setattr(_hip, "Driver", lambda hip: types.SimpleNamespace(
-        hip=hip, CUresult=types.SimpleNamespace(CUDA_SUCCESS=hip.hipError_t.hipSuccess)))
+    monkeypatch.setattr(_hip, "Driver", bare_driver)
     assert _hip.probe() == (None, "the kernel module did not load on AMD Instinct MI210 "
                                   "(gfx90a): hipErrorInvalidImage")
     assert fake.images == [b"gfx90a code object"]
+
+
+def test_probe_bindings_without_a_needed_call(monkeypatch, built):
+    """An hip-python that lacks a call the backend makes is named as the reason."""
+    monkeypatch.setattr(_hip, "_import_hip", lambda: FakeHip())
+    be, why = _hip.probe()
+    assert be is None and why.startswith("this hip-python lacks hipMalloc, hipFree, ") and \
+        why.endswith("; install a newer rocm-bindings-hip")
+
+
+def test_probe_reports_an_unexpected_failure(monkeypatch, built):
+    """The start-up code has never met an AMD GPU: whatever it raises is reported."""
+    fake = FakeHip()
+
+    def broken(image):
+        raise TypeError("unexpected image type")
+    fake.hipModuleLoadData = broken
+    monkeypatch.setattr(_hip, "_import_hip", lambda: fake)
+    monkeypatch.setattr(_hip, "Driver", bare_driver)
+    assert _hip.probe() == (None, "the HIP backend failed to start on AMD Instinct MI210 "
+                                  "(gfx90a): TypeError('unexpected image type')")
 
 
 def test_requested_hip_raises_the_probe_reason(monkeypatch, built):

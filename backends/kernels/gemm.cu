@@ -126,8 +126,10 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
  * (grid y), and thread (warp m, lane n) walks the chain of output (m, n) alone, so
  * a chain runs at the latency of one fmaf per term. W and X tiles stream through a
  * ring of GV_STAGES shared-memory stages (cp.async) kept GV_STAGES - 1 chunks ahead.
- * W rows are padded by 4 floats: a quarter-warp's float4 reads of 8 rows then fall
- * in distinct banks. Rows past N or M are not loaded; their outputs are not stored.
+ * The warps with no row of X (all of them when every row is live) issue the
+ * copies, so a chain never waits for its own warp's address arithmetic. W rows
+ * are padded by 4 floats: a quarter-warp's float4 reads of 8 rows then fall in
+ * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
  * Y = res + chain, NaN when the session guard refused the step. Dynamic shared
  * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py GEMV_SMEM). */
@@ -155,16 +157,18 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     const bool vx = (ldx & 3) == 0 && ((uintptr_t)Xb & 15) == 0;
     const bool vw = (ldw & 3) == 0 && ((uintptr_t)Wb & 15) == 0;
     const int chunks = (int)((k1 - k0 + GV_KC - 1) / GV_KC);
+    const int first = mrows < GV_MROWS ? 32 * mrows : 0; /* the loaders: tid >= first */
+    const int ltid = tid - first, lthreads = GV_THREADS - first;
     Y += (int64_t)blockIdx.z * ldleaf;
 
 #define MB_GV_ISSUE(c)                                                                \
-    {                                                                                 \
+    if (ltid >= 0) {                                                                  \
         const int slot = (c) % GV_STAGES;                                             \
         const int64_t kt = k0 + (int64_t)(c) * GV_KC;                                 \
         mb_stage_rows(Ws + slot * GV_ROWS * GV_LD, GV_LD, Wb, ldw, nrows, GV_KC, kt, k1, vw, \
-                      tid, GV_THREADS);                                               \
+                      ltid, lthreads);                                                \
         mb_stage_rows(Xs + slot * GV_MROWS * GV_LD, GV_LD, Xb, ldx, mrows, GV_KC, kt, k1, vx, \
-                      tid, GV_THREADS);                                               \
+                      ltid, lthreads);                                                \
     }
     for (int s = 0; s < GV_STAGES - 1; s++) {
         if (s < chunks) MB_GV_ISSUE(s)

@@ -1,4 +1,4 @@
-/* The one translation unit nvcc (and later hipcc) compiles into the kernel module
+/* The one translation unit nvcc and hipcc compile into the kernel modules
  * the loaders open: every op file, so one module holds every kernel. */
 #include "gemm.cu"
 #include "rmsnorm.cu"

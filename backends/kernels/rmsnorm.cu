@@ -3,7 +3,8 @@
  * (x * r) * w over the whole grid. A serial chain cannot be split, so rows run side
  * by side instead: a block takes RN_ROWS rows, lane r of warp 0 walks dot v1 of row
  * r (leaves and mb_dot's tree past 8192), and the rows stream through a ring of
- * shared-memory stages (cp.async) so the chains never wait on global memory.
+ * shared-memory stages (cp.async), issued by the other warps, so the chains never
+ * wait on global memory.
  * Dynamic shared memory: RN_STAGES * RN_ROWS * RN_LD floats (_cuda.py NORM_SMEM). */
 #include "vendor.h"
 #include "numerics.h"
@@ -27,9 +28,9 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r)
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
         for (int s = 0; s < RN_STAGES - 1; s++) {
-            if (s < chunks)
+            if (s < chunks && tid >= 32)
                 mb_stage_rows(ring + s * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows, RN_KC,
-                              (int64_t)s * RN_KC, n, vec, tid, RN_THREADS);
+                              (int64_t)s * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
             mb_cp_commit();
         }
         float acc = 0.0f;
@@ -39,9 +40,9 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r)
             mb_cp_wait<RN_STAGES - 2>();
             __syncthreads();
             const int nc = c + RN_STAGES - 1;
-            if (nc < chunks)
+            if (nc < chunks && tid >= 32)
                 mb_stage_rows(ring + (nc % RN_STAGES) * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows,
-                              RN_KC, (int64_t)nc * RN_KC, n, vec, tid, RN_THREADS);
+                              RN_KC, (int64_t)nc * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
             mb_cp_commit();
             if (tid < rows) {
                 const int64_t k = (int64_t)c * RN_KC;
