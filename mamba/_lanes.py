@@ -2,8 +2,7 @@
 check`: every lane on every usable backend and block, each backend against the C
 reference, and against a float64 oracle when one can be loaded. Numpy-free apart from
 that oracle. Each lane yields a `Result`; a divergence is a result, not an exception."""
-import importlib.util
-import os
+import importlib
 import random
 
 import mamba
@@ -260,19 +259,11 @@ def _lane_reference(ctx, blk, s, name, backend):
 
 # -------------------------------------------------------------- float64 oracle
 def _load_oracle(name):
-    """(forward, sane) of tests/oracleN.py, or (None, reason). The oracle needs numpy
-    and lives with the tests, so it exists in a source checkout only."""
+    """(forward, sane) of the float64 oracle, or (None, reason): it needs numpy."""
     try:
-        import numpy  # noqa: F401
+        mod = importlib.import_module(f"mamba._oracle64.oracle{name[-1]}")
     except ImportError:
         return None, "numpy not importable: no float64 comparison"
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tests", f"oracle{name[-1]}.py")
-    if not os.path.exists(path):
-        return None, "float64 oracle not found (tests/oracle*.py, source checkout only)"
-    spec = importlib.util.spec_from_file_location(f"_mamba_check_oracle{name[-1]}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     return (mod.forward, getattr(mod, "sane", dict)), ""
 
 

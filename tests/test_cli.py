@@ -10,7 +10,7 @@ import pytest
 import mamba
 from mamba import _lanes
 
-# the float64 lane needs numpy and the oracle sources of a source checkout
+# the float64 lane needs numpy
 ORACLE_MISSING = _lanes._load_oracle("mamba1")[1]
 LANES = ["repeat", "batch composition", "batch negative control", "decode == prefill",
          "split prefill == one prefill", "session == step", "ragged == rows alone",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mamba
-import oracle1
+from mamba._oracle64 import oracle1
 from blocks import gpu_backends
 
 BOUND = 2e-3

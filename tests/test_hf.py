@@ -60,7 +60,7 @@ def test_mamba2_matches_hf_mamba2block(B, L, dm, limited):
     clamped comparison is only meaningful here.) Under .double() HF still evaluates
     both RMSNorms and the scan in float32 (explicit casts in modeling_mamba2), so
     this checks the maths, and oracle2 checks the float64 precision."""
-    import oracle2
+    from mamba._oracle64 import oracle2
     w = mamba.random_weights("mamba2", dm, seed=B + L)
     x = np.random.default_rng(L).standard_normal((B, L, dm)).astype(np.float32)
     limit = (0.0, float("inf"))

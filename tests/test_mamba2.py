@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mamba
-import oracle2
+from mamba._oracle64 import oracle2
 import spec2
 from _util import state_bytes
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mamba
-import oracle3
+from mamba._oracle64 import oracle3
 import spec3
 from _util import raw, state_bytes
 

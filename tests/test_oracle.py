@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import mamba
-import oracle1
-import oracle2
-import oracle3
+from mamba._oracle64 import oracle1
+from mamba._oracle64 import oracle2
+from mamba._oracle64 import oracle3
 from blocks import BLOCKS, make
 
 RTOL, ATOL = 1e-5, 1e-6

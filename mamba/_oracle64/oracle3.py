@@ -4,7 +4,7 @@ Mamba3.forward's preprocessing and upstream main's heavy-tail A): one state upda
 per token, no chunks."""
 import numpy as np
 
-from oracle1 import rmsnorm, softplus
+from .oracle1 import rmsnorm, softplus
 
 N, P, R = 128, 64, 32
 

@@ -4,7 +4,7 @@ recurrence (no chunks): h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_
 norm, RMSNorm, out_proj, residual."""
 import numpy as np
 
-from oracle1 import rmsnorm, silu, softplus
+from .oracle1 import rmsnorm, silu, softplus
 
 P, N = 64, 128
 
