@@ -36,6 +36,11 @@ class CpuBackend:
         _host_only(pieces, "a state piece")
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
+    def m1_backward(self, w, d_model, x, dy, gx, gw):
+        _host_only([x], "x")
+        _host_only([dy], "grad_output")
+        _core.m1_backward(w, d_model, x, dy, gx, tuple(gw))
+
     def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
@@ -55,11 +60,21 @@ class CpuBackend:
         _core.m2_h_last(d_model, lo, hi, dt_bias, A_log, h, bx, bd, counts, out)
         return out
 
+    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw):
+        _host_only([x], "x")
+        _host_only([dy], "grad_output")
+        _core.m2_backward(w, d_model, dt_limit[0], dt_limit[1], x, dy, gx, tuple(gw))
+
     def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,
                                 reports, lengths)
+
+    def m3_backward(self, w, d_model, x, dy, gx, gw):
+        _host_only([x], "x")
+        _host_only([dy], "grad_output")
+        _core.m3_backward(w, d_model, x, dy, gx, tuple(gw))
 
 
 def _host_only(arrays, what):

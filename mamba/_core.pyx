@@ -43,6 +43,20 @@ cdef extern from "mamba_ref.h" nogil:
         float *h
     int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                       const float *x, const mb_m1_state *state, float *y)
+    ctypedef struct mb_m1_grads:
+        float *x
+        float *norm_w
+        float *in_proj
+        float *conv_w
+        float *conv_b
+        float *x_proj
+        float *dt_proj_w
+        float *dt_proj_b
+        float *A_log
+        float *D
+        float *out_proj
+    int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
+                       const float *dy, const mb_m1_grads *grads)
     ctypedef struct mb_m2_weights:
         int64_t d_model
         const float *block_norm_w
@@ -65,6 +79,19 @@ cdef extern from "mamba_ref.h" nogil:
     int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                       const float *x, const mb_m2_state *state, float *y)
     int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, float *h_last)
+    ctypedef struct mb_m2_grads:
+        float *x
+        float *block_norm_w
+        float *in_proj
+        float *conv_w
+        float *conv_b
+        float *dt_bias
+        float *A_log
+        float *D
+        float *norm_w
+        float *out_proj
+    int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                       const float *dy, const mb_m2_grads *grads)
     ctypedef struct mb_m3_weights:
         int64_t d_model
         const float *norm_w
@@ -97,6 +124,19 @@ cdef extern from "mamba_ref.h" nogil:
     int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                       const float *x, mb_m3_state *state, float *y,
                       const mb_m3_reports *reports)
+    ctypedef struct mb_m3_grads:
+        float *x
+        float *norm_w
+        float *in_proj
+        float *dt_bias
+        float *B_norm_w
+        float *C_norm_w
+        float *B_bias
+        float *C_bias
+        float *D
+        float *out_proj
+    int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
+                       const float *dy, const mb_m3_grads *grads)
     void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                  const float *W, int64_t ldw, float *Y, int64_t ldy)
     int mb_math_eval(int which, int64_t n, const float *x, float *y)
@@ -600,6 +640,28 @@ def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Ar
     _check_rc(rc)
 
 
+def m1_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw):
+    """Run mb_m1_backward: gradients of x into gx and of each weight into gw (weight
+    order)."""
+    cdef mb_m1_weights wt
+    wt.d_model = d_model
+    wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
+    wt.conv_b = _cp(w[3]); wt.x_proj = _cp(w[4]); wt.dt_proj_w = _cp(w[5])
+    wt.dt_proj_b = _cp(w[6]); wt.A_log = _cp(w[7]); wt.D = _cp(w[8]); wt.out_proj = _cp(w[9])
+    cdef mb_m1_grads g
+    g.x = _mp(gx)
+    g.norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.conv_w = _mp(gw[2])
+    g.conv_b = _mp(gw[3]); g.x_proj = _mp(gw[4]); g.dt_proj_w = _mp(gw[5])
+    g.dt_proj_b = _mp(gw[6]); g.A_log = _mp(gw[7]); g.D = _mp(gw[8]); g.out_proj = _mp(gw[9])
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef const float *dp = _cp(dy)
+    with nogil:
+        rc = mb_m1_backward(&wt, B, L, xp, dp, &g)
+    _check_rc(rc)
+
+
 cdef int64_t *_counts(object counts, Py_ssize_t B) except? NULL:
     cdef int64_t *c = <int64_t *>malloc(B * sizeof(int64_t))
     if c == NULL:
@@ -667,6 +729,31 @@ def m2_h_last(int64_t d_model, float dt_lo, float dt_hi, Array dt_bias, Array A_
     _check_rc(rc)
 
 
+def m2_backward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, Array dy,
+                Array gx, tuple gw):
+    """Run mb_m2_backward: gradients of x into gx and of each weight into gw (weight
+    order)."""
+    cdef mb_m2_weights wt
+    wt.d_model = d_model
+    wt.block_norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
+    wt.conv_b = _cp(w[3]); wt.dt_bias = _cp(w[4]); wt.A_log = _cp(w[5]); wt.D = _cp(w[6])
+    wt.norm_w = _cp(w[7]); wt.out_proj = _cp(w[8])
+    wt.dt_lo = dt_lo
+    wt.dt_hi = dt_hi
+    cdef mb_m2_grads g
+    g.x = _mp(gx)
+    g.block_norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.conv_w = _mp(gw[2])
+    g.conv_b = _mp(gw[3]); g.dt_bias = _mp(gw[4]); g.A_log = _mp(gw[5]); g.D = _mp(gw[6])
+    g.norm_w = _mp(gw[7]); g.out_proj = _mp(gw[8])
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef const float *dp = _cp(dy)
+    with nogil:
+        rc = mb_m2_backward(&wt, B, L, xp, dp, &g)
+    _check_rc(rc)
+
+
 def copy_leading_rows(Array a, tuple counts):
     """A new array shaped like a (B, R, ...) whose [b, :counts[b]] equal a's; the rest
     is left uninitialised (for copies of which only those rows are read)."""
@@ -708,6 +795,28 @@ def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_toke
     free(lp)
     _check_rc(rc)
     return st.buffered_tokens
+
+
+def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw):
+    """Run mb_m3_backward: gradients of x into gx and of each weight into gw (weight
+    order)."""
+    cdef mb_m3_weights wt
+    wt.d_model = d_model
+    wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.dt_bias = _cp(w[2])
+    wt.B_norm_w = _cp(w[3]); wt.C_norm_w = _cp(w[4]); wt.B_bias = _cp(w[5])
+    wt.C_bias = _cp(w[6]); wt.D = _cp(w[7]); wt.out_proj = _cp(w[8])
+    cdef mb_m3_grads g
+    g.x = _mp(gx)
+    g.norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.dt_bias = _mp(gw[2])
+    g.B_norm_w = _mp(gw[3]); g.C_norm_w = _mp(gw[4]); g.B_bias = _mp(gw[5])
+    g.C_bias = _mp(gw[6]); g.D = _mp(gw[7]); g.out_proj = _mp(gw[8])
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef const float *dp = _cp(dy)
+    with nogil:
+        rc = mb_m3_backward(&wt, B, L, xp, dp, &g)
+    _check_rc(rc)
 
 
 # ------------------------------------------------------------ low-bit weights

@@ -22,16 +22,15 @@ import importlib.resources
 import threading
 
 from . import _core
+from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
 GEMM_TILE, GEMM_THREADS = 128, 256                 # gemm.cu mb_gemm_k: BM = BN, THREADS
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
-STAGE_K, STAGES = 128, 4                           # gemm.cu / rmsnorm.cu: GV_KC, GV_STAGES
-GEMV_SMEM = 4 * STAGES * (GEMV_ROWS + GEMV_MROWS) * (STAGE_K + 4)
+STAGE_K = 128                                      # gemm.cu / rmsnorm.cu: GV_KC = RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
-NORM_SMEM = 4 * STAGES * NORM_ROWS * (STAGE_K + 4)
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
 TF32_TILE, TF32_THREADS = 128, 256                 # fast.cu mb_fast_gemm_k
 TF32_SMEM = 4 * 3 * 2 * TF32_TILE * (32 + 4)
@@ -42,13 +41,11 @@ SCAN_LANES = 4       # scan1.cu: lanes per channel
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = {"mb_gemm_k": 0, "mb_gemv_k": GEMV_SMEM, "mb_dot_fold_k": 0, "mb_rms_k": NORM_SMEM,
-           "mb_rms_scale_k": 0,
-           "mb_conv_silu_k": 0, "mb_conv_window_k": 0, "mb_conv_step_k": 0, "mb_scan1_k": 0,
-           "mb_residual_k": 0, "mb_pack_rows_k": 0, "mb_first_nonfinite_k": 0,
-           "mb_step_guard_k": 0, "mb_gather_k": 0, "mb_fast_gemm_k": TF32_SMEM,
-           "mb_fast_gemv_k": 0, "mb_fast_rmsnorm_k": 0, "mb_fast_conv_silu_k": 0,
-           "mb_fast_conv_step_k": 0, "mb_fast_scan1_k": 0}
+KERNELS = ("mb_gemm_k", "mb_gemv_k", "mb_dot_fold_k", "mb_rms_k", "mb_rms_scale_k",
+           "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k", "mb_scan1_k", "mb_residual_k",
+           "mb_pack_rows_k", "mb_first_nonfinite_k", "mb_step_guard_k", "mb_gather_k",
+           "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
+           "mb_fast_conv_step_k", "mb_fast_scan1_k")
 NONE = 0xFFFFFFFFFFFFFFFF  # the guard word of a session with no refused step
 LEGACY, PER_THREAD = 1, 2  # stream numbers of the DLPack and array-interface protocols
 
@@ -112,7 +109,7 @@ def stream(s):
         _current.entry = prev
 
 
-_handles = {}  # protocol number -> CUstream (made once: a decode step makes few calls)
+_handles = {}  # (driver, protocol number) -> CUstream, made once: a decode step makes few calls
 
 
 class _Stream:
@@ -121,9 +118,9 @@ class _Stream:
 
     def __init__(self, cu, number, owner):
         self.number, self.owner = number, owner
-        self.cu = _handles.get(number)
+        self.cu = _handles.get((id(cu), number))
         if self.cu is None:
-            self.cu = _handles[number] = cu.CUstream(
+            self.cu = _handles[(id(cu), number)] = cu.CUstream(
                 cu.CU_STREAM_LEGACY if number == LEGACY else
                 cu.CU_STREAM_PER_THREAD if number == PER_THREAD else number)
 
@@ -252,10 +249,21 @@ def _ptr(a):
     return a.ptr if isinstance(a, _core.Array) else a
 
 
-class CudaBackend:
+class CudaBackend(_cuda_ssd.SsdMixin):
     """Mamba blocks on device 0. Weights are uploaded once per block; host inputs
     give host outputs, device inputs give device outputs."""
     name = "cuda"
+    stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
+
+    @property
+    def gemv_smem(self):
+        """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu)."""
+        return 4 * self.stages * (GEMV_ROWS + GEMV_MROWS) * (STAGE_K + 4)
+
+    @property
+    def norm_smem(self):
+        """Bytes of dynamic shared memory of mb_rms_k (rmsnorm.cu)."""
+        return 4 * self.stages * NORM_ROWS * (STAGE_K + 4)
 
     def __init__(self, cu, image):
         self.cu = cu
@@ -276,9 +284,9 @@ class CudaBackend:
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
-        self.fn = {}
-        for k, smem in KERNELS.items():
-            self.fn[k] = self._ck(cu.cuModuleGetFunction(mod, k.encode()), k)
+        self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
+        big = {"mb_gemv_k": self.gemv_smem, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
+        for k, smem in big.items():
             if smem > 48 * 1024:
                 self._ck(cu.cuFuncSetAttribute(
                     self.fn[k], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -492,7 +500,7 @@ class CudaBackend:
             return
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:
-            name, threads, smem = "mb_gemv_k", GEMV_THREADS, GEMV_SMEM
+            name, threads, smem = "mb_gemv_k", GEMV_THREADS, self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
             tail = (res if P == 1 else 0, ldy, guard)
         else:
@@ -516,7 +524,7 @@ class CudaBackend:
                          M, n, x, n, w, out, n)
             return
         self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
-                     M, n, x, n, r, smem=NORM_SMEM)
+                     M, n, x, n, r, smem=self.norm_smem)
         self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, n, r, w, out, n)
 
     def _uniform_offsets(self, B, L):

@@ -133,10 +133,11 @@ class Driver:
         self.CUresult = ns(CUDA_SUCCESS=hip.hipError_t.hipSuccess)
         self.CUevent_flags = ns(CU_EVENT_DISABLE_TIMING=hip.hipEventDisableTiming)
         self.CUstream_flags = ns(CU_STREAM_NON_BLOCKING=hip.hipStreamNonBlocking)
+        capture, pointer = hip.hipStreamCaptureMode, hip.hipPointer_attribute
         self.CUstreamCaptureMode = ns(
-            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal)
+            CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=capture.hipStreamCaptureModeThreadLocal)
         self.CUpointer_attribute = ns(
-            CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=hip.hipPointer_attribute.HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
+            CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=pointer.HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
         self.CU_MEMHOSTALLOC_DEVICEMAP = hip.hipHostMallocMapped
 
     @staticmethod
@@ -155,6 +156,7 @@ class HipBackend(_cuda.CudaBackend):
     """Mamba blocks on AMD device 0: the shared GPU backend over HIP. `sms` holds
     the compute units, which the shared grid sizing calls SMs."""
     name = "hip"
+    stages = 2  # vendor.h MB_STAGES under hipcc: AMD's 64 KiB of LDS holds two
 
     def __init__(self, hip, image, gpu, arch, cus):
         self.cu = Driver(hip)
@@ -166,6 +168,7 @@ class HipBackend(_cuda.CudaBackend):
             raise CudaError(f"the kernel module did not load on {gpu} ({arch}): "
                             f"{_err_name(hip, err)}")
         self.mod = mod
+        # no dynamic shared memory opt-in: AMD gives a kernel its 64 KiB of LDS as it is
         self.fn = {k: self._ck(hip.hipModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
         props = hip.hipMemPoolProps()
         props.allocType = hip.hipMemAllocationType.hipMemAllocationTypePinned
@@ -173,8 +176,9 @@ class HipBackend(_cuda.CudaBackend):
         props.location.id = self.device_id
         self.pool = self._ck(hip.hipMemPoolCreate(props), "hipMemPoolCreate")
         keep = ctypes.c_uint64(_cuda.POOL_KEEP)
-        self._ck(hip.hipMemPoolSetAttribute(self.pool, hip.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold,
-                                            ctypes.addressof(keep)), "hipMemPoolSetAttribute")
+        self._ck(hip.hipMemPoolSetAttribute(
+            self.pool, hip.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold, ctypes.addressof(keep)),
+            "hipMemPoolSetAttribute")
         self._offsets = {}
         self._capture = None
         self.description = f"device 0: {gpu} ({arch}, {cus} CUs)"

@@ -62,6 +62,9 @@ class Mamba1Block(_Block):
         self._backend.m1_forward(w, self.d_model, x, pieces, y, lengths,
                                  fast=self.numeric_mode == "fast")
 
+    def _backward_kernel(self, w, x, dy, gx, gw):
+        self._backend.m1_backward(w, self.d_model, x, dy, gx, gw)
+
     def _session_runner(self, w, pieces):
         # a GPU backend may run a session's step as one captured graph
         open_session = getattr(self._backend, "m1_session", None)

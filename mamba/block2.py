@@ -138,6 +138,9 @@ class Mamba2Block(_Block):
             self._h_last = self._backend.m2_h_last(self.d_model, self._report)
         return self._h_last
 
+    def _backward_kernel(self, w, x, dy, gx, gw):
+        self._backend.m2_backward(w, self.d_model, self.dt_limit, x, dy, gx, gw)
+
     def _kernel(self, w, x, pieces, state, y, lengths):
         be = self._backend
         counts = be.m2_forward(w, self.d_model, self.dt_limit, x, pieces,

@@ -163,6 +163,9 @@ class Mamba3Block(_Block):
             raise ValueError(f"mamba {what}: state.pending needs buffered_tokens == 0 (an "
                              f"input state starts a new sequence), got {n}")
 
+    def _backward_kernel(self, w, x, dy, gx, gw):
+        self._backend.m3_backward(w, self.d_model, x, dy, gx, gw)
+
     def _kernel(self, w, x, pieces, state, y, lengths):
         B, H = x.shape[0], self.nheads
         be = self._backend

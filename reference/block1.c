@@ -6,8 +6,9 @@
 #include "gemm.h"
 #include "ops.h"
 #include "fpenv.h"
+#include "block1.h"
 
-#define NS 16          /* d_state */
+#define NS MB_M1_NS
 #define CB 64          /* channels per scan task */
 
 /* The selective scan of one row over channels [c0, c0 + nc), h carried in place. */
@@ -31,13 +32,7 @@ static void scan_block(int64_t len, int64_t di, int64_t R, int64_t c0, int64_t n
             const float bn = Bv[n], cn = Cv[n];
             const float *a = AT + n * di + c0;
             for (int64_t i = 0; i < nc; i++) {
-                float dA = mb_exp(dl[i] * a[i]);
-                float dBu = (dl[i] * bn) * uu[i];
-#ifdef MB_SABOTAGE_UNFUSED_H
-                float hv = dA * hT[n][i] + dBu;
-#else
-                float hv = fmaf(dA, hT[n][i], dBu);
-#endif
+                float hv = mb_m1_h_next(mb_exp(dl[i] * a[i]), hT[n][i], dl[i], bn, uu[i]);
                 hT[n][i] = hv;
                 acc[i] = fmaf(cn, hv, acc[i]);
             }
@@ -49,6 +44,35 @@ static void scan_block(int64_t len, int64_t di, int64_t R, int64_t c0, int64_t n
     for (int64_t i = 0; i < nc; i++)
         for (int n = 0; n < NS; n++)
             h[(c0 + i) * NS + n] = hT[n][i];
+}
+
+void MB_ISA_FN(mb_m1_front)(const mb_m1_weights *w, int64_t B, const int64_t *off,
+                            const float *x, float *xn, float *xz, float *window, float *pre,
+                            float *u, float *xdbl, float *spre, float *delta)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, R = (dm + 15) / 16, XR = R + 2 * NS;
+    const int64_t M = off[B];
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->norm_w, xn, dm);
+    MB_ISA_FN(mb_gemm)(M, 2 * di, dm, xn, dm, w->in_proj, dm, xz, 2 * di);
+
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t b = 0; b < B; b++) {
+        mb_fpenv env = mb_fpenv_enter();
+        MB_ISA_FN(mb_conv_silu_pre)(off[b + 1] - off[b], di, xz + off[b] * 2 * di, 2 * di,
+                                    window + b * di * 4, w->conv_w, w->conv_b,
+                                    pre ? pre + off[b] * di : NULL, di, u + off[b] * di, di);
+        mb_fpenv_exit(env);
+    }
+
+    MB_ISA_FN(mb_gemm)(M, XR, di, u, di, w->x_proj, di, xdbl, XR);
+    MB_ISA_FN(mb_gemm)(M, di, R, xdbl, XR, w->dt_proj_w, R, delta, di);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < di; c++) {
+            float s = delta[m * di + c] + w->dt_proj_b[c];
+            if (spre)
+                spre[m * di + c] = s;
+            delta[m * di + c] = mb_softplus(s);
+        }
 }
 
 int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
@@ -78,23 +102,7 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
         ys = xp + M * dm;
     }
 
-    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
-    MB_ISA_FN(mb_gemm)(M, 2 * di, dm, xn, dm, w->in_proj, dm, xz, 2 * di);
-
-    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
-    for (int64_t b = 0; b < B; b++) {
-        mb_fpenv env = mb_fpenv_enter();
-        MB_ISA_FN(mb_conv_silu)(off[b + 1] - off[b], di, xz + off[b] * 2 * di, 2 * di,
-                                st->conv_window + b * di * 4, w->conv_w, w->conv_b,
-                                u + off[b] * di, di);
-        mb_fpenv_exit(env);
-    }
-
-    MB_ISA_FN(mb_gemm)(M, XR, di, u, di, w->x_proj, di, xdbl, XR);
-    MB_ISA_FN(mb_gemm)(M, di, R, xdbl, XR, w->dt_proj_w, R, delta, di);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < di; c++)
-            delta[m * di + c] = mb_softplus(delta[m * di + c] + w->dt_proj_b[c]);
+    MB_ISA_FN(mb_m1_front)(w, B, off, xs, xn, xz, st->conv_window, NULL, u, xdbl, NULL, delta);
     for (int64_t c = 0; c < di; c++)
         for (int n = 0; n < NS; n++)
             AT[n * di + c] = -mb_exp(w->A_log[c * NS + n]);

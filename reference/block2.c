@@ -21,19 +21,16 @@
 #include "gemm.h"
 #include "ops.h"
 #include "fpenv.h"
+#include "block2.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
 #endif
 
-#define NS 128       /* d_state */
-#define HP 64        /* head dim */
+#define NS MB_M2_NS
+#define HP MB_M2_HP
 #define BUFROWS 256  /* rows of the state buffers */
-#ifdef MB_SABOTAGE_CHUNK128
-#define CQ 128
-#else
-#define CQ 256       /* chunk size: part of the arithmetic */
-#endif
+#define CQ MB_M2_Q
 #define TR 6         /* rows per register tile */
 #define GB 64        /* output rows per G task */
 #define CB 256       /* channels per conv task */
@@ -178,6 +175,8 @@ typedef struct {
     float *ext_u, *ext_dtr;         /* chunks >= 1 of every row */
     const float *G;                 /* (tokens, CQ): G[token][j] */
     float *yb;                      /* (tokens, di): Y before the gate */
+    float *hck;                     /* NULL, or the state entering each chunk (m2_acts) */
+    int64_t nkmax;                  /* chunks per (row, head) in hck */
 } m2_ctx;
 
 static float *chunk_u(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64_t k)
@@ -204,6 +203,8 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
         const int64_t n = T - k * CQ < CQ ? T - k * CQ : CQ, r0 = k ? 0 : t0;
         const float *u = chunk_u(c, st, b, k);
         chunk_prep(n, u, CD, chunk_dtr(c, st, b, k), H, h, w, q);
+        if (c->hck)
+            memcpy(c->hck + ((b * H + h) * c->nkmax + k) * NS * HP, q->hT, NS * HP * sizeof(float));
 
         int64_t row = 0;
         s[0] = 0.0f;
@@ -257,8 +258,10 @@ static int thread_num(void)
 #endif
 }
 
-int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                             const float *x, const mb_m2_state *st, float *y)
+/* The forward; acts (NULL in plain calls) receives copies of the activations the
+ * backward reads. */
+static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, const mb_m2_state *st, float *y, const m2_acts *acts)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
     const int nth = max_threads();
@@ -299,10 +302,13 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
         xs = xp;
         ys = xp + M * dm;
     }
-    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, yb};
+    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, yb,
+                      acts ? acts->hck : NULL, acts ? (L + CQ - 1) / CQ : 0};
 
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->block_norm_w, xn, dm);
     MB_ISA_FN(mb_gemm)(M, NP, dm, xn, dm, w->in_proj, dm, zxd, NP);
+    if (acts)
+        memcpy(acts->zxd, zxd, (size_t)(M * NP) * sizeof(float));
 
     /* conv + silu over xBC into the chunk storage (chunk 0 in the state buffer), and the
      * raw dt rows beside it; tasks are (row, channel block) */
@@ -314,11 +320,13 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
         const int64_t len = off[b + 1] - off[b], n0 = (CQ - t0[b] < len ? CQ - t0[b] : len);
         const float *in = zxd + off[b] * NP + di + c0;
         float *win = st->conv_window + (b * CD + c0) * 4;
-        MB_ISA_FN(mb_conv_silu)(n0, nc, in, NP, win, w->conv_w + c0 * 4, w->conv_b + c0,
-                                st->buffer_xbc + (b * BUFROWS + t0[b]) * CD + c0, CD);
+        float *pre = acts ? acts->pre + off[b] * CD + c0 : NULL;
+        MB_ISA_FN(mb_conv_silu_pre)(n0, nc, in, NP, win, w->conv_w + c0 * 4, w->conv_b + c0, pre, CD,
+                                    st->buffer_xbc + (b * BUFROWS + t0[b]) * CD + c0, CD);
         if (len > n0)
-            MB_ISA_FN(mb_conv_silu)(len - n0, nc, in + n0 * NP, NP, win, w->conv_w + c0 * 4,
-                                    w->conv_b + c0, ext_u + eoff[b] * CD + c0, CD);
+            MB_ISA_FN(mb_conv_silu_pre)(len - n0, nc, in + n0 * NP, NP, win, w->conv_w + c0 * 4,
+                                        w->conv_b + c0, pre ? pre + n0 * CD : NULL, CD,
+                                        ext_u + eoff[b] * CD + c0, CD);
         if (c0 == 0)
             for (int64_t s = 0; s < len; s++) {
                 const int64_t e = t0[b] + s;
@@ -359,6 +367,18 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
             ssd_task(&c, w, st, task / H, task % H, &q);
         mb_fpenv_exit(env);
     }
+    if (acts) {
+        memcpy(acts->G, G, (size_t)(M * CQ) * sizeof(float));
+        memcpy(acts->Y, yb, (size_t)(M * di) * sizeof(float));
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t T = t0[b] + off[b + 1] - off[b];
+            for (int64_t k = 0; k * CQ < T; k++) {
+                const int64_t r0 = k ? 0 : t0[b], n = (T - k * CQ < CQ ? T - k * CQ : CQ) - r0;
+                memcpy(acts->u + (off[b] + k * CQ + r0 - t0[b]) * CD, chunk_u(&c, st, b, k) + r0 * CD,
+                       (size_t)(n * CD) * sizeof(float));
+            }
+        }
+    }
 
     /* the open chunk goes to the state buffers; once a chunk has closed, the rows past
      * it are zeroed so the buffers' bytes depend only on the sequence */
@@ -396,6 +416,18 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
     free(buf);
     free(ib);
     return MB_OK;
+}
+
+int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, const mb_m2_state *st, float *y)
+{
+    return m2_run(w, B, L, lengths, x, st, y, NULL);
+}
+
+int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                          const mb_m2_state *st, float *y, const m2_acts *acts)
+{
+    return m2_run(w, B, L, NULL, x, st, y, acts);
 }
 
 int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)

@@ -17,67 +17,19 @@
 #include "gemm.h"
 #include "ops.h"
 #include "fpenv.h"
+#include "block3.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
 #endif
 
-#define NQK MB_M3_N   /* q/k head dimension */
-#define PV MB_M3_P    /* v head dimension */
-#define NA MB_M3_R    /* rotary angles */
-#define QCAP MB_M3_Q  /* buffer rows */
-#ifdef MB_SABOTAGE_CHUNK32
-#define CQ 32
-#else
-#define CQ MB_M3_Q    /* chunk size: part of the arithmetic */
-#endif
-#define A_FLOOR 1e-4f
-
-/* Per-thread scratch, in floats. */
-enum {
-    S_HT = 0,                   /* h^T (NQK, PV) of the working chunk */
-    S_KST = S_HT + NQK * PV,    /* scaled k^T (NQK, QCAP): operand of q.k^T */
-    S_KS = S_KST + NQK * QCAP,  /* scaled k (QCAP, NQK): operand of the fold */
-    S_ST = S_KS + QCAP * NQK,   /* fold result (NQK, PV) */
-    S_VD = S_ST + NQK * PV,     /* decayed v (QCAP, PV) */
-    S_G = S_VD + QCAP * PV,     /* q.k^T (QCAP, QCAP) */
-    S_MM = S_G + QCAP * QCAP,   /* (q.k^T) * Lm */
-    S_YS = S_MM + QCAP * QCAP,  /* q.h^T (QCAP, PV) */
-    S_YI = S_YS + QCAP * PV,    /* intra-chunk output (QCAP, PV) */
-    S_CS = S_YI + QCAP * PV,    /* dA_cs */
-    S_SEG = S_CS + QCAP,        /* one row of seg */
-    S_QKG = S_SEG + QCAP,       /* qk_gamma per row */
-    S_QB = S_QKG + QCAP,        /* biased, unrotated q and k of the segment's rows */
-    S_KB = S_QB + QCAP * NQK,
-    S_TOTAL = S_KB + QCAP * NQK
-};
-
-typedef struct {
-    const mb_m3_weights *w;
-    const mb_m3_state *st;
-    const mb_m3_reports *rep;
-    int64_t H, di, dip, nb0;
-    int pending;
-    const float *zx;               /* (M, dip) in_proj output of the packed tokens */
-    const float *Bn, *Cn;          /* (M, NQK) normed B and C, before the biases */
-    const float *dt, *sig, *adt;   /* (M, H) */
-    const float *ta;               /* (M, NA) tanh(angle) * PI */
-    float *yg;                     /* (M, di) gated mixer output */
-} m3_ctx;
-
-/* One head of one row: views of its buffer rows (row j at base + j * stride). */
-typedef struct {
-    float *q, *k, *v, *dt, *sig, *adt;
-    int64_t qs, vs, ss;
-} m3_head;
-
 /* C[m*ldc + n] = dot v1 over k < K0 + m*dK of A[m*sam + k*sak] and B[k*ldb + n], for
  * m < M and n < N (N a multiple of 16). Chains are per output and ascending in k, so
  * the SIMD and the scalar loops give the same bits; rows of a causal product
  * (dK = 1) share the common prefix of k and finish their chains one by one. */
-static void mm_bcast(int64_t M, int64_t N, int64_t K0, int64_t dK,
-                     const float *A, int64_t sam, int64_t sak,
-                     const float *B, int64_t ldb, float *C, int64_t ldc)
+void MB_ISA_FN(mb_m3_mm)(int64_t M, int64_t N, int64_t K0, int64_t dK,
+                         const float *A, int64_t sam, int64_t sak,
+                         const float *B, int64_t ldb, float *C, int64_t ldc)
 {
 #ifdef MB_SIMD
     int64_t m = 0;
@@ -144,40 +96,11 @@ static void mm_bcast(int64_t M, int64_t N, int64_t K0, int64_t dK,
 #endif
 }
 
-/* The shifted trapezoid term dt * (1 - sig) of the token after a row. */
-static inline float beta_of(float dt, float sig)
-{
-#ifdef MB_SABOTAGE_NO_SHIFT
-    (void)dt;
-    (void)sig;
-    return 0.0f;
-#else
-    return dt * (1.0f - sig);
-#endif
-}
-
-/* scale_j = gamma_j + beta_j of buffer row j, the next row's dt and sig giving beta. */
-static inline float scale_of(const m3_head *hv, int64_t j)
-{
-    return hv->dt[j * hv->ss] * hv->sig[j * hv->ss]
-        + beta_of(hv->dt[(j + 1) * hv->ss], hv->sig[(j + 1) * hv->ss]);
-}
-
-/* Serial inclusive cumsum of A*dt over buffer rows [0, n), seeded +0. */
-static void cumsum_adt(const m3_head *hv, int64_t n, float *cs)
-{
-    float acc = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        acc = acc + hv->adt[i * hv->ss];
-        cs[i] = acc;
-    }
-}
-
 /* out = h folded over buffer rows [0, n), the last row's beta given:
  * out = fma(exp(cs_last), h, (v * exp(cs_last - cs_j))^T . (k_j * scale_j)).
  * hT and out are (NQK, PV) and may alias. */
-static void fold(const m3_head *hv, int64_t n, float beta_last, const float *hT, float *out,
-                 float *s)
+void MB_ISA_FN(mb_m3_fold)(const m3_head *hv, int64_t n, float beta_last, const float *hT,
+                           float *out, float *s)
 {
     float *cs = s + S_CS, *ks = s + S_KS, *vd = s + S_VD, *ST = s + S_ST;
     cumsum_adt(hv, n, cs);
@@ -193,7 +116,7 @@ static void fold(const m3_head *hv, int64_t n, float beta_last, const float *hT,
         for (int p = 0; p < PV; p++)
             vo[p] = vr[p] * dec;
     }
-    mm_bcast(NQK, PV, n, 0, ks, 1, NQK, vd, PV, ST, PV);
+    MB_ISA_FN(mb_m3_mm)(NQK, PV, n, 0, ks, 1, NQK, vd, PV, ST, PV);
     const float e = mb_exp(cl);
     for (int i = 0; i < NQK * PV; i++)
         out[i] = fmaf(e, hT[i], ST[i]);
@@ -201,8 +124,8 @@ static void fold(const m3_head *hv, int64_t n, float beta_last, const float *hT,
 
 /* Tokens [tok0, tok0 + n) of head h into buffer rows [i0, i0 + n): the angle steps,
  * the biased and rotated q and k, v, dt, sig, A*dt and qk_gamma. */
-static void put_rows(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok0, int64_t i0,
-                     int64_t n, float *theta, float *s)
+void MB_ISA_FN(mb_m3_put_rows)(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok0,
+                               int64_t i0, int64_t n, float *theta, float *s)
 {
     const int64_t H = c->H;
     /* z and x rows are one stride of in_proj apart: too far for the hardware prefetcher */
@@ -248,6 +171,10 @@ static void put_rows(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok0
             cs[r] = mb_cos(theta[r]);
             sn[r] = mb_sin(theta[r]);
         }
+        if (hv->rot) {
+            memcpy(hv->rot + row * 2 * NA, cs, sizeof cs);
+            memcpy(hv->rot + row * 2 * NA + NA, sn, sizeof sn);
+        }
         const float *q = Qb + i * NQK, *k = Kb + i * NQK;
         float *qo = hv->q + row * hv->qs, *ko = hv->k + row * hv->qs;
         for (int r = 0; r < NA; r++) {
@@ -270,19 +197,18 @@ static void put_rows(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t tok0
 #endif
 }
 
-#define UP16(n) (((n) + 15) & ~(int64_t)15)
-
 /* Outputs of buffer rows [r0, r1) (rows [0, r1) filled), token r0 at packed index
  * tok0, h entering the chunk in hT:
  * y = (q.h^T) * exp(cs_i) + ((q.ks^T) * Lm) . v  (strictly causal),
  * y = y + (D + qk_gamma) * v, y = y * silu(z). */
-static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0, int64_t r1,
-                      int64_t tok0, const float *hT, float *s)
+void MB_ISA_FN(mb_m3_chunk_out)(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0,
+                                int64_t r1, int64_t tok0, const float *hT, float *s)
 {
-    float *cs = s + S_CS, *kst = s + S_KST, *G = s + S_G, *Mm = s + S_MM;
+    float *cs = s + S_CS, *kst = s + S_KST, *G = s + S_G, *Lm = s + S_LM, *Mm = s + S_MM;
     float *Ys = s + S_YS, *Yi = s + S_YI, *seg = s + S_SEG;
     cumsum_adt(hv, r1, cs);
-    mm_bcast(r1 - r0, PV, NQK, 0, hv->q + r0 * hv->qs, hv->qs, 1, hT, PV, Ys + r0 * PV, PV);
+    MB_ISA_FN(mb_m3_mm)(r1 - r0, PV, NQK, 0, hv->q + r0 * hv->qs, hv->qs, 1, hT, PV,
+                        Ys + r0 * PV, PV);
 
     /* q_i . ks_j for j < i: ks^T over the columns j < r1 - 1 (scales known), padded */
     const int64_t nj = r1 - 1;
@@ -299,8 +225,8 @@ static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0,
                 kst[n * QCAP + j] = 0.0f;
         for (int64_t a = r0 > 1 ? r0 : 1; a < r1; a += 16) {
             const int64_t b = a + 16 < r1 ? a + 16 : r1;
-            mm_bcast(b - a, UP16(b - 1), NQK, 0, hv->q + a * hv->qs, hv->qs, 1, kst, QCAP,
-                     G + a * QCAP, QCAP);
+            MB_ISA_FN(mb_m3_mm)(b - a, UP16(b - 1), NQK, 0, hv->q + a * hv->qs, hv->qs, 1,
+                                kst, QCAP, G + a * QCAP, QCAP);
         }
     }
     /* seg[i][j] = serial sum of adt[j+1..i] from +0, one row at a time */
@@ -310,10 +236,13 @@ static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0,
         for (int64_t j = 0; j < i; j++)
             seg[j] = seg[j] + a;
         if (i >= r0)
-            for (int64_t j = 0; j < i; j++)
-                Mm[i * QCAP + j] = G[i * QCAP + j] * mb_exp(seg[j]);
+            for (int64_t j = 0; j < i; j++) {
+                Lm[i * QCAP + j] = mb_exp(seg[j]);
+                Mm[i * QCAP + j] = G[i * QCAP + j] * Lm[i * QCAP + j];
+            }
     }
-    mm_bcast(r1 - r0, PV, r0, 1, Mm + r0 * QCAP, QCAP, 1, hv->v, hv->vs, Yi + r0 * PV, PV);
+    MB_ISA_FN(mb_m3_mm)(r1 - r0, PV, r0, 1, Mm + r0 * QCAP, QCAP, 1, hv->v, hv->vs,
+                        Yi + r0 * PV, PV);
 
     const float Dh = c->w->D[h];
     for (int64_t i = r0; i < r1; i++) {
@@ -322,11 +251,13 @@ static void chunk_out(const m3_ctx *c, const m3_head *hv, int64_t h, int64_t r0,
         const float *z = c->zx + tok * c->dip + h * PV, *v = hv->v + i * hv->vs;
         const float *ys = Ys + i * PV, *yi = Yi + i * PV;
         float *yo = c->yg + tok * c->di + h * PV;
+        float *yp = c->ypre ? c->ypre + tok * c->di + h * PV : yo;
         for (int p = 0; p < PV; p++) {
-            float y = ys[p] * e + yi[p];
-            y = y + dq * v[p];
-            yo[p] = y * mb_silu(z[p]);
+            const float y = ys[p] * e + yi[p];
+            yp[p] = y + dq * v[p];
         }
+        for (int p = 0; p < PV; p++)
+            yo[p] = yp[p] * mb_silu(z[p]);
     }
 }
 
@@ -350,7 +281,7 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         st->buffer_qrot + (b * QCAP * H + h) * NQK, st->buffer_krot + (b * QCAP * H + h) * NQK,
         st->buffer_v + (b * QCAP * H + h) * PV, st->buffer_dt + b * QCAP * H + h,
         st->buffer_sig + b * QCAP * H + h, st->buffer_adt + b * QCAP * H + h,
-        H * NQK, H * PV, H,
+        H * NQK, H * PV, H, NULL,
     };
     float *theta = st->theta + (b * H + h) * NA, *hs = st->h + (b * H + h) * PV * NQK;
     float *hT = s + S_HT;
@@ -371,13 +302,14 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
     for (int64_t t = 0; t < len;) {
         if (nb == CQ) {
             const int64_t tok = tok0 + t;
-            fold(&hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]), hT, hT, s);
+            MB_ISA_FN(mb_m3_fold)(&hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]),
+                                  hT, hT, s);
             clear_rows(&hv);
             nb = 0;
         }
         const int64_t n = len - t < CQ - nb ? len - t : CQ - nb;
-        put_rows(c, &hv, h, tok0 + t, nb, n, theta, s);
-        chunk_out(c, &hv, h, nb, nb + n, tok0 + t, hT, s);
+        MB_ISA_FN(mb_m3_put_rows)(c, &hv, h, tok0 + t, nb, n, theta, s);
+        MB_ISA_FN(mb_m3_chunk_out)(c, &hv, h, nb, nb + n, tok0 + t, hT, s);
         nb += n;
         t += n;
     }
@@ -392,7 +324,7 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
     if (rep->h_last) {
         /* the working chunk closed as if the sequence ended: the last row's beta is +0 */
         float *hl = s + S_ST;
-        fold(&hv, nb, 0.0f, hT, hl, s);
+        MB_ISA_FN(mb_m3_fold)(&hv, nb, 0.0f, hT, hl, s);
         float *o = rep->h_last + bh * PV * NQK;
         for (int p = 0; p < PV; p++)
             for (int n = 0; n < NQK; n++)
@@ -406,13 +338,46 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         memcpy(rep->theta_last + bh * NA, theta, NA * sizeof(float));
 }
 
-int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                             const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep)
+void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs, float *xn,
+                              float *zx, float *Bn, float *Cn, float *dt, float *sig,
+                              float *adt, float *ta)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     const int64_t oB = 2 * di, oC = oB + NQK, oDT = oC + NQK, oA = oDT + H, oTR = oA + H;
     const int64_t oANG = oTR + H;
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
+    MB_ISA_FN(mb_gemm)(M, dip, dm, xn, dm, w->in_proj, dm, zx, dip);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oB, dip, w->B_norm_w, Bn, NQK);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oC, dip, w->C_norm_w, Cn, NQK);
+
+    #pragma omp parallel if (M * H > (1 << 12))
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const float *r = zx + m * dip;
+            for (int64_t hh = 0; hh < H; hh++) {
+                const float dA = r[oA + hh];
+                float A = m3_heavy_tail(dA); /* floored at -1e-4 */
+                A = A > -A_FLOOR ? -A_FLOOR : A;
+                const float d = mb_softplus(r[oDT + hh] + w->dt_bias[hh]);
+                dt[m * H + hh] = d;
+                adt[m * H + hh] = A * d;
+                sig[m * H + hh] = mb_sigmoid(r[oTR + hh]);
+            }
+            for (int a = 0; a < NA; a++)
+                ta[m * NA + a] = mb_tanh(r[oANG + a]) * MB_PI;
+        }
+        mb_fpenv_exit(env);
+    }
+}
+
+int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
+    const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     int nth = 1;
 #ifdef _OPENMP
     nth = omp_get_max_threads();
@@ -447,35 +412,10 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
         ys = xp + M * dm;
     }
 
-    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
-    MB_ISA_FN(mb_gemm)(M, dip, dm, xn, dm, w->in_proj, dm, zx, dip);
-    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oB, dip, w->B_norm_w, Bn, NQK);
-    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oC, dip, w->C_norm_w, Cn, NQK);
-
-    #pragma omp parallel if (M * H > (1 << 12))
-    {
-        mb_fpenv env = mb_fpenv_enter();
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            const float *r = zx + m * dip;
-            for (int64_t hh = 0; hh < H; hh++) {
-                const float dA = r[oA + hh];
-                /* upstream main's heavy-tail A, floored at -1e-4 */
-                float A = -(dA >= 0.0f ? 1.0f + dA : 1.0f / (1.0f - dA));
-                A = A > -A_FLOOR ? -A_FLOOR : A;
-                const float d = mb_softplus(r[oDT + hh] + w->dt_bias[hh]);
-                dt[m * H + hh] = d;
-                adt[m * H + hh] = A * d;
-                sig[m * H + hh] = mb_sigmoid(r[oTR + hh]);
-            }
-            for (int a = 0; a < NA; a++)
-                ta[m * NA + a] = mb_tanh(r[oANG + a]) * MB_PI;
-        }
-        mb_fpenv_exit(env);
-    }
+    MB_ISA_FN(mb_m3_project)(w, M, xs, xn, zx, Bn, Cn, dt, sig, adt, ta);
 
     m3_ctx c = {w, st, rep, H, di, dip, st->buffered_tokens, st->pending,
-                zx, Bn, Cn, dt, sig, adt, ta, yg};
+                zx, Bn, Cn, dt, sig, adt, ta, yg, NULL};
     #pragma omp parallel if (B * H > 1 && M * H > 64)
     {
         mb_fpenv env = mb_fpenv_enter();

@@ -5,9 +5,9 @@
 
 #define TAPS 4
 
-void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ldi,
-                             float *window, const float *w, const float *bias,
-                             float *u, int64_t ldu)
+void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_t ldi,
+                                 float *window, const float *w, const float *bias,
+                                 float *pre, int64_t ldp, float *u, int64_t ldu)
 {
     for (int64_t t = 0; t < len; t++) {
         /* window position k holds the input at t - 3 + k; before the call it is the
@@ -17,7 +17,7 @@ void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ld
             int64_t p = t - (TAPS - 1) + k;
             row[k] = p >= 0 ? in + p * ldi : NULL;
         }
-        float *o = u + t * ldu;
+        float *o = u + t * ldu, *po = pre ? pre + t * ldp : NULL;
         if (row[0]) {
             for (int64_t c = 0; c < C; c++) {
                 float acc = bias[c];
@@ -28,6 +28,8 @@ void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ld
                     acc = fmaf(w[c * TAPS + k], row[k][c], acc);
 #endif
                 }
+                if (po)
+                    po[c] = acc;
                 o[c] = mb_silu(acc);
             }
         } else {
@@ -42,6 +44,8 @@ void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ld
                     acc = fmaf(w[c * TAPS + k], v, acc);
 #endif
                 }
+                if (po)
+                    po[c] = acc;
                 o[c] = mb_silu(acc);
             }
         }
@@ -55,4 +59,11 @@ void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ld
             win[j] = p >= 0 ? in[p * ldi + c] : win[TAPS + p];
         }
     }
+}
+
+void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ldi,
+                             float *window, const float *w, const float *bias,
+                             float *u, int64_t ldu)
+{
+    MB_ISA_FN(mb_conv_silu_pre)(len, C, in, ldi, window, w, bias, NULL, 0, u, ldu);
 }

@@ -6,11 +6,17 @@
 #define DECLARE_ISA(ret, name, params) ret name##_base params; ret name##_v3 params;
 DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m1_state *, float *))
+DECLARE_ISA(int, mb_m1_backward, (const mb_m1_weights *, int64_t, int64_t, const float *,
+                                  const float *, const mb_m1_grads *))
 DECLARE_ISA(int, mb_m2_forward, (const mb_m2_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m2_state *, float *))
 DECLARE_ISA(int, mb_m2_h_last, (const mb_m2_weights *, int64_t, const mb_m2_state *, float *))
+DECLARE_ISA(int, mb_m2_backward, (const mb_m2_weights *, int64_t, int64_t, const float *,
+                                  const float *, const mb_m2_grads *))
 DECLARE_ISA(int, mb_m3_forward, (const mb_m3_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, mb_m3_state *, float *, const mb_m3_reports *))
+DECLARE_ISA(int, mb_m3_backward, (const mb_m3_weights *, int64_t, int64_t, const float *,
+                                  const float *, const mb_m3_grads *))
 DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
                             const float *, int64_t, float *, int64_t))
 DECLARE_ISA(int, mb_math_eval, (int, int64_t, const float *, float *))
@@ -53,6 +59,14 @@ int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *l
     return rc;
 }
 
+int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m1_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m1_backward)(w, B, L, x, dy, grads))
+    return rc;
+}
+
 int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, const mb_m2_state *state, float *y)
 {
@@ -68,11 +82,27 @@ int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, fl
     return rc;
 }
 
+int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m2_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m2_backward)(w, B, L, x, dy, grads))
+    return rc;
+}
+
 int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, mb_m3_state *state, float *y, const mb_m3_reports *reports)
 {
     int rc;
     GUARDED(rc = ISA(mb_m3_forward)(w, B, L, lengths, x, state, y, reports))
+    return rc;
+}
+
+int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m3_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m3_backward)(w, B, L, x, dy, grads))
     return rc;
 }
 

@@ -36,6 +36,19 @@ typedef struct {
 int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, const mb_m1_state *state, float *y);
 
+/* Gradients of mb_m1_backward, each shaped like its weight (conv_w (di, 4)). */
+typedef struct {
+    float *x; /* (B, L, dm) */
+    float *norm_w, *in_proj, *conv_w, *conv_b, *x_proj, *dt_proj_w, *dt_proj_b, *A_log, *D,
+        *out_proj;
+} mb_m1_grads;
+
+/* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
+ * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
+ * docs/numerics.md "Backward (Mamba-1)"). */
+int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m1_grads *grads);
+
 /* ---- Mamba-2 SSD (identical.mamba2.fp32.v1): N = 128, P = 64, di = 2 dm, H = di / 64,
  * CD = di + 256 conv channels (x | B | C), chunk Q = 256 on each row's absolute grid. */
 typedef struct {
@@ -74,6 +87,26 @@ int mb_m2_forward(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
  * read): h_last (B, H, 64, 128) = h with the open chunk folded as if it were closed
  * (upstream final_states); h itself when no rows are open. The state is not written. */
 int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, float *h_last);
+
+/* Gradients of the backward, each shaped like its weight (conv_w (CD, 4)). */
+typedef struct {
+    float *x;            /* (B, L, dm) */
+    float *block_norm_w; /* (dm) */
+    float *in_proj;      /* (2 di + 256 + H, dm) */
+    float *conv_w;       /* (CD, 4) */
+    float *conv_b;       /* (CD) */
+    float *dt_bias;      /* (H) */
+    float *A_log;        /* (H) */
+    float *D;            /* (H) */
+    float *norm_w;       /* (di) */
+    float *out_proj;     /* (dm, di) */
+} mb_m2_grads;
+
+/* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
+ * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
+ * docs/numerics.md "Backward (Mamba-2)"). */
+int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m2_grads *grads);
 
 /* ---- Mamba-3 SISO (identical.mamba3.siso.fp32.v1): di = 2 dm, H = di / 64 heads,
  * in_proj rows 2 di + 256 + 3 H + 32 (z | x | B | C | dd_dt | dd_A | trap | angle). */
@@ -123,6 +156,26 @@ typedef struct {
  * and ends at its own length, so buffered_tokens is left as it was. */
 int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, mb_m3_state *state, float *y, const mb_m3_reports *reports);
+
+/* Gradients of the Mamba-3 backward, each shaped like its weight. */
+typedef struct {
+    float *x;        /* (B, L, dm) */
+    float *norm_w;   /* (dm) block_norm.weight */
+    float *in_proj;  /* (2 di + 256 + 3 H + 32, dm) */
+    float *dt_bias;  /* (H) */
+    float *B_norm_w; /* (128) */
+    float *C_norm_w; /* (128) */
+    float *B_bias;   /* (H, 128) */
+    float *C_bias;   /* (H, 128) */
+    float *D;        /* (H) */
+    float *out_proj; /* (dm, di) */
+} mb_m3_grads;
+
+/* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
+ * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
+ * docs/numerics.md "Backward (Mamba-3)"). */
+int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *dy, const mb_m3_grads *grads);
 
 /* ---- shared pieces, exposed for tests and for the other blocks */
 void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,

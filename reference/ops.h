@@ -18,6 +18,12 @@ void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ld
                              float *window, const float *w, const float *bias,
                              float *u, int64_t ldu);
 
+/* The same, also writing the pre-activations (conv outputs before silu) to
+ * pre[t * ldp + c] when pre is not NULL (backward). */
+void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_t ldi,
+                                 float *window, const float *w, const float *bias,
+                                 float *pre, int64_t ldp, float *u, int64_t ldu);
+
 /* Token bookkeeping for ragged batches: off[b] is row b's first token in the
  * packed (sum of lengths, ...) layout; off[B] is the total. */
 int64_t mb_row_offsets(int64_t B, int64_t L, const int64_t *lengths, int64_t *off);

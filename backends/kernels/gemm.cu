@@ -132,12 +132,12 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
  * Y = res + chain, NaN when the session guard refused the step. Dynamic shared
- * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py GEMV_SMEM). */
+ * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py gemv_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
 #define GV_KC 128
 #define GV_LD (GV_KC + 4)
-#define GV_STAGES 4
+#define GV_STAGES MB_STAGES
 #define GV_THREADS 256
 
 MB_KERNEL void MB_BOUNDS(GV_THREADS)

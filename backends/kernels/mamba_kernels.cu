@@ -9,3 +9,5 @@
 #include "finite.cu"
 #include "copy.cu"
 #include "fast.cu"
+#include "ssd2.cu"
+#include "ssd3.cu"

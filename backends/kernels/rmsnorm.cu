@@ -5,7 +5,7 @@
  * r (leaves and mb_dot's tree past 8192), and the rows stream through a ring of
  * shared-memory stages (cp.async), issued by the other warps, so the chains never
  * wait on global memory.
- * Dynamic shared memory: RN_STAGES * RN_ROWS * RN_LD floats (_cuda.py NORM_SMEM). */
+ * Dynamic shared memory: RN_STAGES * RN_ROWS * RN_LD floats (_cuda.py norm_smem). */
 #include "vendor.h"
 #include "numerics.h"
 #include "ops.h"
@@ -14,7 +14,7 @@
 #define RN_ROWS 32
 #define RN_KC 128
 #define RN_LD (RN_KC + 4)
-#define RN_STAGES 4
+#define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
 MB_KERNEL void MB_BOUNDS(RN_THREADS)

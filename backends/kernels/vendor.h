@@ -54,6 +54,16 @@ MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
 
+/* Stages of the cp.async rings (gemm.cu, rmsnorm.cu): four hide global latency on
+ * NVIDIA; AMD's 64 KB of LDS per block holds two (there the copies are synchronous
+ * anyway). The loaders size the rings' shared memory from the same number
+ * (CudaBackend.stages in mamba/_cuda.py). */
+#if defined(__HIPCC__)
+#define MB_STAGES 2
+#else
+#define MB_STAGES 4
+#endif
+
 /* Stage rows [0, nrows) x k in [k, k + kc) of a row-major matrix (ld floats) into
  * shared memory with row stride sld (a multiple of 4); terms at or past k1 are
  * zero-filled and never read. vec: ld, src and k are 16-byte aligned. Shared by

@@ -1,0 +1,88 @@
+/* What the chunked scans of Mamba-2 (ssd2.cu) and Mamba-3 (ssd3.cu) share.
+ *
+ * Each row is seen as one extended sequence on the absolute chunk grid: the open
+ * chunk's rows held in the state buffers, then the new tokens. The call gathers it
+ * into "ext" arrays (row b at ext rows [eoff[b], eoff[b] + T_b)), computes every
+ * chunk from there, and stores the chunk left open back into the state buffers.
+ * Chunks are described on the host by MB_DESC int64 fields each (_cuda.py):
+ *   b: the row; e0: ext row of the chunk's row 0; n: rows in the chunk;
+ *   r0: the first row with an output (the rows before it came from the state);
+ *   tok: packed token index of row r0; fold: 1 when the chunk folds into h. */
+#ifndef MB_SSD_CU
+#define MB_SSD_CU
+
+#include "vendor.h"
+#include "numerics.h"
+
+#define MB_DESC 6
+#define SSD_NS 128 /* state dimension (both blocks) */
+#define SSD_HP 64  /* head dimension (both blocks) */
+
+/* ext rows [eoff[b], eoff[b] + t0[b]) of width W from the state buffer rows
+ * (B, Q, W). Grid (x over Q * W, y over rows). */
+MB_KERNEL void mb_ssd_load_k(int64_t B, const int64_t *eoff, const int64_t *t0, int64_t Q,
+                             int64_t W, const float *buf, float *ext)
+{
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        MB_GRID_LOOP(i, t0[b] * W) {
+            ext[eoff[b] * W + i] = buf[b * Q * W + i];
+        }
+    }
+}
+
+/* The open chunk back into the state buffer (B, Q, W): per row, st[4 b ..] =
+ * (base, lo, hi, zero): buffer rows [lo, hi) take ext rows base + [lo, hi); with
+ * zero, rows [hi, Q) become +0 (a chunk closed in this call); other rows are left
+ * as they were. Grid (x over Q * W, y over rows). */
+MB_KERNEL void mb_ssd_store_k(int64_t B, const int64_t *st, int64_t Q, int64_t W,
+                              const float *ext, float *buf)
+{
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        const int64_t base = st[4 * b], lo = st[4 * b + 1], hi = st[4 * b + 2], zero = st[4 * b + 3];
+        MB_GRID_LOOP(i, Q * W) {
+            const int64_t j = i / W;
+            if (j >= lo && j < hi)
+                buf[b * Q * W + i] = ext[base * W + i];
+            else if (zero && j >= hi)
+                buf[b * Q * W + i] = 0.0f;
+        }
+    }
+}
+
+/* The state pass, serial over each row's chunks [cbeg[b], cbeg[b + 1]): hck[c]
+ * receives the state entering chunk c, and a folding chunk moves it on by
+ * h = fma(E[c, h], h, S[c, h]) (E = exp(dA_cs_last), S the chunk's contraction).
+ * h (B, H, HP, NS) ends as the state entering the last chunk's successor. One
+ * thread per element of h. */
+MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
+                              const float *E, const float *S, float *h, float *hck)
+{
+    const int64_t per = SSD_HP * SSD_NS;
+    MB_GRID_LOOP(i, B * H * per) {
+        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per;
+        float v = h[i];
+        for (int64_t c = cbeg[b]; c < cbeg[b + 1]; c++) {
+            const int64_t ch = c * H + hh;
+            hck[ch * per + e] = v;
+            if (desc[c * MB_DESC + 5])
+                v = fmaf(E[ch], v, S[ch * per + e]);
+        }
+        h[i] = v;
+    }
+}
+
+/* New rows into ext: ext row eoff[b] + t0[b] + t takes packed row off[b] + t of
+ * src (W floats of a row of ld). Grid (x over the row's tokens * W, y over rows). */
+MB_KERNEL void mb_ssd_put_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
+                            int64_t W, const float *src, int64_t ld, float *ext)
+{
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        const int64_t o = off[b], e = eoff[b] + t0[b];
+        MB_GRID_LOOP(i, (off[b + 1] - o) * W) {
+            const int64_t t = i / W, c = i % W;
+            ext[(e + t) * W + c] = src[(o + t) * ld + c];
+        }
+    }
+}
+
+#endif

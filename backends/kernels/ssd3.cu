@@ -1,0 +1,223 @@
+/* The Mamba-3 SISO mixer (SPEC 7), the GPU twin of put_rows, chunk_out and fold in
+ * reference/block3.c, on the ext layout of ssd.cu. Ext arrays, H heads per row:
+ * Q, K (rotated, K unscaled; H x 128), V (H x 64), DT, SIG, ADT (H) and QKG (H,
+ * qk_gamma, new rows only).
+ *   mb_m3_prep_k    per new token and head: heavy-tail A with its floor, dt, A * dt,
+ *                   sigmoid(trap), qk_gamma = dot(q, k) * (dt * sig); per token and
+ *                   angle: tanh(angle) * PI.
+ *   mb_m3_rotate_k  per (row, head, angle): the angle recurrence, serial over the
+ *                   row's tokens and reduced every token, and the rotation of q and k.
+ *   mb_m3_pending_k Input_States: h0 = h + (v * k) * (dt_1 * (1 - sig_1)).
+ *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
+ *                   with hin, the fold itself (the h_last report).
+ *   mb_m3_y_k       the output of one row per block, gated.
+ *   mb_m3_last_k    the k_last and v_last reports. */
+#include "ssd.cu"
+
+#define M3Q 64
+#define M3A 32 /* rotary angles */
+
+/* Grid (x over the row's tokens * (H + M3A), y over rows). zx rows are in_proj's
+ * (z | x | B | C | dd_dt | dd_A | trap | angle); Bn, Cn the normed B and C. */
+MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
+                            int64_t H, int64_t di, int64_t dip, const float *zx,
+                            const float *dt_bias, const float *Bn, const float *Cn,
+                            const float *B_bias, const float *C_bias, float *DT, float *SIG,
+                            float *ADT, float *QKG, float *TA)
+{
+    const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H, oANG = oTR + H;
+    const int64_t W = H + M3A;
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        const int64_t o = off[b], e0 = eoff[b] + t0[b];
+        MB_GRID_LOOP(i, (off[b + 1] - o) * W) {
+            const int64_t t = i / W, j = i % W, tok = o + t;
+            const float *r = zx + tok * dip;
+            if (j >= H) {
+                TA[tok * M3A + j - H] = mb_tanh(r[oANG + j - H]) * MB_PI;
+                continue;
+            }
+            const int64_t h = j, e = (e0 + t) * H + h;
+            const float dA = r[oA + h];
+            float A = -(dA >= 0.0f ? 1.0f + dA : 1.0f / (1.0f - dA));
+            A = A > -1e-4f ? -1e-4f : A;
+            const float dt = mb_softplus(r[oDT + h] + dt_bias[h]);
+            const float sig = mb_sigmoid(r[oTR + h]);
+            DT[e] = dt;
+            ADT[e] = A * dt;
+            SIG[e] = sig;
+            const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
+            const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+            float acc = 0.0f;
+            for (int m = 0; m < SSD_NS; m++) acc = fmaf(c[m] + cb[m], k[m] + kb[m], acc);
+            QKG[e] = acc * (dt * sig);
+        }
+    }
+}
+
+/* One thread per (row, head, angle r): theta = mod2pi(theta + ta * dt) token by
+ * token, then pair (2r, 2r + 1) of the biased q and k rotated by it, and dims
+ * 64 + 2r, 64 + 2r + 1 copied unrotated. theta (B, H, M3A) ends after the row's
+ * last token; theta_last (optional) receives the same. */
+MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
+                              const int64_t *t0, const float *Bn, const float *Cn,
+                              const float *B_bias, const float *C_bias, const float *TA,
+                              const float *DT, float *theta, float *Q, float *K, float *theta_last)
+{
+    MB_GRID_LOOP(i, B * H * M3A) {
+        const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
+        const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+        float th = theta[i];
+        const int64_t e0 = eoff[b] + t0[b];
+        for (int64_t t = 0; t < off[b + 1] - off[b]; t++) {
+            const int64_t tok = off[b] + t, e = (e0 + t) * H + h;
+            th = mb_mod2pi(th + TA[tok * M3A + r] * DT[e]);
+            const float cs = mb_cos(th), sn = mb_sin(th);
+            const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
+            float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
+            const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
+            const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
+            qo[2 * r] = (q0 * cs) - (q1 * sn);
+            qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
+            ko[2 * r] = (k0 * cs) - (k1 * sn);
+            ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
+            for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
+                qo[m] = c[m] + cb[m];
+                ko[m] = k[m] + kb[m];
+            }
+        }
+        theta[i] = th;
+        if (theta_last) theta_last[i] = th;
+    }
+}
+
+/* h (B, H, HP, NS) += (v * k) * (dt_1 * (1 - sig_1)), dt_1 and sig_1 of each row's
+ * first token (ext row eoff[b]). */
+MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const float *DT,
+                               const float *SIG, const float *pk, const float *pv, float *h)
+{
+    const int64_t per = SSD_HP * SSD_NS;
+    MB_GRID_LOOP(i, B * H * per) {
+        const int64_t bh = i / per, b = bh / H, hh = bh % H, p = (i % per) / SSD_NS, m = i % SSD_NS;
+        const int64_t e = eoff[b] * H + hh;
+        const float w1 = DT[e] * (1.0f - SIG[e]);
+        h[i] = h[i] + (pv[bh * SSD_HP + p] * pk[bh * SSD_NS + m]) * w1;
+    }
+}
+
+/* scale_j = dt_j * sig_j + beta, beta = dt_{j+1} * (1 - sig_{j+1}) from the next ext
+ * row, or +0 for the last row of a chunk that does not fold (the report). */
+MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, bool next)
+{
+    const float beta = next ? DT[e + H] * (1.0f - SIG[e + H]) : 0.0f;
+    return DT[e] * SIG[e] + beta;
+}
+
+#define FOLD3_THREADS 256
+
+/* Block (chunk c, head h). Without hin: chunks with the fold flag (sealed: the
+ * next ext row exists) write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin
+ * (reports, chunk c is row c, its last row's beta +0): out[c, h] =
+ * fma(exp(cs_last), hin[c, h], S). */
+MB_KERNEL void MB_BOUNDS(FOLD3_THREADS)
+mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
+             const float *SIG, const float *ADT, const float *hin, float *out, float *E)
+{
+    __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
+    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
+    const bool sealed = d[5] != 0;
+    if (!hin && !sealed) return;
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            acc = acc + ADT[(e0 + j) * H + h];
+            cs[j] = acc;
+        }
+    }
+    __syncthreads();
+    const float last = cs[n - 1];
+    for (int64_t j = threadIdx.x; j < n; j += FOLD3_THREADS) {
+        sc[j] = m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed);
+        dec[j] = mb_exp(last - cs[j]);
+    }
+    __syncthreads();
+    const float ex = mb_exp(last);
+    for (int64_t e = threadIdx.x; e < per; e += FOLD3_THREADS) {
+        const int64_t p = e / SSD_NS, m = e % SSD_NS;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t eh = (e0 + j) * H + h;
+            acc = fmaf(K[eh * SSD_NS + m] * sc[j], V[eh * SSD_HP + p] * dec[j], acc);
+        }
+        if (hin)
+            out[ch * per + e] = fmaf(ex, hin[ch * per + e], acc);
+        else
+            out[ch * per + e] = acc;
+    }
+    if (!hin && threadIdx.x == 0) E[ch] = ex;
+}
+
+/* Block (row i, head h, chunk c), SSD_HP threads (one per p). Thread j < i builds
+ * M[i][j] = (q_i . (k_j * scale_j)) * exp(seg[i][j]) (strictly causal; seg the
+ * serial sum of A*dt[j+1..i] from +0); then
+ * y = (q_i . h_prev) * exp(cs_i) + M . v, y = y + (D + qk_gamma) * v, y = y * silu(z)
+ * into yg (packed tokens, di wide). */
+MB_KERNEL void MB_BOUNDS(SSD_HP)
+mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
+          const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
+          const float *hck, const float *D, const float *zx, float *yg)
+{
+    __shared__ float Mrow[M3Q];
+    __shared__ float ecs;
+    const int64_t i = blockIdx.x, h = blockIdx.y, c = blockIdx.z, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3];
+    if (i < r0 || i >= n) return;
+    const int64_t ch = c * H + h, ei = (e0 + i) * H + h;
+    const float *qi = Q + ei * SSD_NS;
+    const int64_t j = threadIdx.x;
+    if (j < i) {
+        const int64_t ej = (e0 + j) * H + h;
+        const float sc = m3_scale(DT, SIG, H, ej, true);
+        const float *kj = K + ej * SSD_NS;
+        float g = 0.0f;
+        for (int m = 0; m < SSD_NS; m++) g = fmaf(qi[m], kj[m] * sc, g);
+        float s = 0.0f;
+        for (int64_t u = j + 1; u <= i; u++) s = s + ADT[(e0 + u) * H + h];
+        Mrow[j] = g * mb_exp(s);
+    }
+    if (j == 0) {
+        float acc = 0.0f;
+        for (int64_t u = 0; u <= i; u++) acc = acc + ADT[(e0 + u) * H + h];
+        ecs = mb_exp(acc);
+    }
+    __syncthreads();
+    const int64_t p = threadIdx.x;
+    const float *hp = hck + (ch * SSD_HP + p) * SSD_NS;
+    float ys = 0.0f;
+    for (int m = 0; m < SSD_NS; m++) ys = fmaf(qi[m], hp[m], ys);
+    float yi = 0.0f;
+    for (int64_t u = 0; u < i; u++) yi = fmaf(Mrow[u], V[((e0 + u) * H + h) * SSD_HP + p], yi);
+    const float v = V[ei * SSD_HP + p];
+    float y = ys * ecs + yi;
+    y = y + (D[h] + QKG[ei]) * v;
+    const int64_t tok = d[4] + i - r0;
+    yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
+}
+
+/* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
+MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
+                            const float *V, float *k_last, float *v_last)
+{
+    const int64_t W = SSD_NS + SSD_HP;
+    MB_GRID_LOOP(i, B * H * W) {
+        const int64_t bh = i / W, b = bh / H, h = bh % H, w = i % W, e = last[b] * H + h;
+        if (w < SSD_NS)
+            k_last[bh * SSD_NS + w] = K[e * SSD_NS + w];
+        else
+            v_last[bh * SSD_HP + w - SSD_NS] = V[e * SSD_HP + w - SSD_NS];
+    }
+}
+
+#undef M3Q
+#undef M3A
+#undef FOLD3_THREADS

@@ -1,0 +1,302 @@
+"""Mamba-2 and Mamba-3 on the CUDA backend (kernels: backends/kernels/ssd*.cu).
+
+Each row of a call is one extended sequence on the absolute chunk grid: the open
+chunk's rows from the state buffers, then the new tokens. The host cuts it into
+chunks (descriptors of ssd.cu), the device gathers it into "ext" arrays, computes
+every chunk in parallel, runs the state pass serially over each row's chunks, and
+stores the chunk left open back into the state buffers. The arithmetic is the C
+reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
+change a bit.
+
+Until a GPU run has passed the mamba2 and mamba3 identity and profile lanes, the
+backend does not offer these blocks (docs/cuda.md): MAMBA_CUDA_SSD=1 in the
+environment enables them.
+"""
+import ctypes
+import os
+import struct
+
+from . import _core
+
+M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
+DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
+FOLD_THREADS = 256
+MAX_GRID_Z = 65535
+VALIDATED = False  # True once a device run has passed the mamba2/mamba3 lanes
+
+
+def enabled():
+    return VALIDATED or os.environ.get("MAMBA_CUDA_SSD") == "1"
+
+
+def _bits(f):
+    return struct.unpack("<I", struct.pack("<f", f))[0]
+
+
+class _Plan:
+    """Host bookkeeping of one call: packed token offsets, ext rows, chunks, and
+    what goes back into the state buffers. m3: a chunk folds only once the next
+    row exists (sealed), and the open chunk keeps 1..Q rows; Mamba-2 folds a full
+    chunk at once and keeps 0..Q-1."""
+
+    def __init__(self, B, L, lengths, t0, Q, m3):
+        self.B, self.Q = B, Q
+        off, eoff, cbeg, store, last, rep, desc, counts = [0], [0], [0], [], [], [], [], []
+        for b in range(B):
+            off.append(off[-1] + (lengths[b] if lengths is not None else L))
+        for b in range(B):
+            T = t0 + off[b + 1] - off[b]
+            for k in range((T - 1) // Q + 1):
+                n = min(Q, T - k * Q)
+                r0 = t0 if k == 0 else 0
+                fold = T > (k + 1) * Q if m3 else n == Q
+                desc += [b, eoff[b] + k * Q, n, r0, off[b] + k * Q + r0 - t0, int(fold)]
+            cbeg.append(len(desc) // DESC)
+            kl = (T - 1) // Q if m3 else T // Q
+            r, base = T - kl * Q, eoff[b] + kl * Q
+            store += [base, 0, r, 1] if kl > 0 else [base, t0, T, 0]
+            rep += [b, base, r, 0, 0, 0]
+            last.append(eoff[b] + T - 1)
+            counts.append(r)
+            eoff.append(eoff[b] + T)
+        self.M, self.E, self.NC = off[-1], eoff[-1], len(desc) // DESC
+        if self.NC > MAX_GRID_Z:
+            raise ValueError(f"mamba: a call of {self.NC} chunks exceeds the CUDA backend's "
+                             f"{MAX_GRID_Z}; split the batch or the sequence")
+        self.counts = counts
+        self._parts = [("off", off), ("t0", [t0] * B), ("eoff", eoff), ("cbeg", cbeg),
+                       ("store", store), ("last", last), ("rep", rep), ("desc", desc)]
+
+    def upload(self, sc):
+        """Device pointers of the int64 tables (one upload)."""
+        flat = [v for _, part in self._parts for v in part]
+        host = (ctypes.c_int64 * len(flat))(*flat)
+        base = sc.upload(ctypes.addressof(host), 8 * len(flat))
+        at, ptrs = 0, {}
+        for name, part in self._parts:
+            ptrs[name] = base + 8 * at
+            at += len(part)
+        return ptrs
+
+
+class SsdMixin:
+    """CudaBackend methods of the Mamba-2 and Mamba-3 blocks."""
+
+    def _ssd_fn(self, *names):
+        """Look up the kernels (on first use) and return the _cuda module (imported
+        here: _cuda imports this module)."""
+        from . import _cuda
+        for n in names:
+            if n not in self.fn:
+                self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+        return _cuda
+
+    def _rows_grid(self, n, B):
+        return (self._grid(n), min(B, 65535))
+
+    def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts):
+        """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows."""
+        C = self._ssd_fn()
+        M = I["M"]
+        xs = self._on_device(sc, x)
+        xd = xs
+        if lengths is not None:
+            xs = sc(M * dm)
+            self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
+                         B, L, dm, I["off"], xd, xs)
+        xn, zx = sc(M * dm), sc(M * NP)
+        self._rmsnorm(s, False, M, dm, xs, norm_w, xn, I["r"])
+        self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts)
+        return xd, xn, zx
+
+    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts):
+        """out_proj and the residual into the padded output."""
+        C = self._ssd_fn()
+        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts)
+        self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), C.THREADS,
+                     B, L, dm, I["off"], xd, xn, yd, 0)
+
+    # ---------------------------------------------------------------- Mamba-2
+    def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths):
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k", "mb_m2_gate_k")
+        self._enter()
+        st = self.stream()
+        s = st.cu
+        dm, B, L = d_model, x.shape[0], x.shape[1]
+        di = 2 * dm
+        H, CD = di // HP, di + 2 * NS
+        NP = di + CD + H
+        norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
+        plan = _Plan(B, L, lengths, buffered_tokens, M2_Q, False)
+        M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
+        back = []
+        with C._Scratch(self, st) as sc:
+            I = plan.upload(sc)
+            I["M"], I["r"] = M, sc(M)
+            cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
+            yd = y.ptr if y.device == self.name else sc(B * L * dm)
+            nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
+            parts = sc(nparts) if nparts else 0
+            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts)
+            # conv + silu over xBC, then the ext rows: buffered ones, then new ones
+            unew, U, DTR = sc(M * CD), sc(E * CD), sc(E * H)
+            xbc = zx + 4 * di
+            self._launch(s, "mb_conv_silu_k", self._rows_grid(L * CD, B), C.THREADS,
+                         B, I["off"], CD, xbc, NP, cw, conv_w, conv_b, unew, CD)
+            self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
+                         B, I["off"], CD, xbc, NP, cw)
+            for buf, ext, W, src, lds in ((bx, U, CD, unew, CD), (bd, DTR, H, xbc + 4 * CD, NP)):
+                self._launch(s, "mb_ssd_load_k", self._rows_grid(M2_Q * W, B), C.THREADS,
+                             B, I["eoff"], I["t0"], M2_Q, W, buf, ext)
+                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * W, B), C.THREADS,
+                             B, I["off"], I["eoff"], I["t0"], W, src, lds, ext)
+            # the chunks: dt and cumsums, G, each chunk's contraction, the state pass,
+            # the outputs
+            dt, dA, cs = sc(NC * H * M2_Q), sc(NC * H * M2_Q), sc(NC * H * M2_Q)
+            self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), C.THREADS, NC, I["desc"], H,
+                         DTR, dt_bias, A_log, _bits(dt_limit[0]), _bits(dt_limit[1]), dt, dA, cs)
+            G = sc(NC * M2_Q * M2_Q)
+            self._launch(s, "mb_m2_g_k", (self._grid(NC * M2_Q * M2_Q),), C.THREADS,
+                         NC, I["desc"], di, CD, U, G)
+            S, Ec, hck = sc(NC * H * per), sc(NC * H), sc(NC * H * per)
+            self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
+                         I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
+                         B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
+            yg = sc(M * di)
+            self._launch(s, "mb_m2_y_k", (M2_Q, H, NC), HP, I["desc"], H, di, CD, U, G, dt, dA,
+                         cs, hck, D, yg)
+            for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
+                self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
+                             B, I["store"], M2_Q, W, ext, buf)
+            # gate before the norm, the gated norm, out_proj, residual
+            self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
+            self._rmsnorm(s, False, M, di, yg, gnorm_w, yg, I["r"])
+            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts)
+            if y.device == "cpu":
+                back.append((y, yd))
+            self._finish(st, back)
+        return tuple(plan.counts)
+
+    def _m2_report_inputs(self, w, dt_limit, pieces, counts):
+        """Device copies of all the h_last report reads (the weights' device copies
+        are never edited: refresh_weights replaces them)."""
+        return (w[4], w[5], dt_limit, self.copy(pieces[1]), self.copy(pieces[2]),
+                self.copy(pieces[3]), counts, pieces[1].device == self.name)
+
+    def _m2_h_last(self, d_model, inputs):
+        """The open rows folded into h as if the chunk closed; on the device when the
+        state was, else on the host."""
+        C = self._ssd_fn("mb_m2_prep_k", "mb_m2_fold_k")
+        dt_bias, A_log, (lo, hi), h, bx, bd, counts, on_device = inputs
+        self._enter()
+        st = self.stream()
+        s = st.cu
+        B, di = h.shape[0], 2 * d_model
+        H, CD = di // HP, di + 2 * NS
+        out = self.empty(h.shape, like=h) if on_device else _core.empty(h.shape)
+        desc = []
+        for b in range(B):
+            desc += [b, b * M2_Q, counts[b], 0, 0, 0]
+        with C._Scratch(self, st) as sc:
+            host = (ctypes.c_int64 * len(desc))(*desc)
+            dp = sc.upload(ctypes.addressof(host), 8 * len(desc))
+            dt, dA, cs = sc(B * H * M2_Q), sc(B * H * M2_Q), sc(B * H * M2_Q)
+            self._launch(s, "mb_m2_prep_k", (self._grid(B * H),), C.THREADS, B, dp, H, bd,
+                         dt_bias, A_log, _bits(lo), _bits(hi), dt, dA, cs)
+            od = out.ptr if on_device else sc(out.size)
+            self._launch(s, "mb_m2_fold_k", (B, H), FOLD_THREADS, dp, H, di, CD, bx, dt, cs, h,
+                         od, 0)
+            self._finish(st, [] if on_device else [(out, od)])
+        return out
+
+    # ---------------------------------------------------------------- Mamba-3
+    def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+                     "mb_m3_prep_k", "mb_m3_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k",
+                     "mb_m3_y_k", "mb_m3_last_k")
+        self._enter()
+        st = self.stream()
+        s = st.cu
+        dm, B, L = d_model, x.shape[0], x.shape[1]
+        di = 2 * dm
+        H = di // HP
+        NP = 2 * di + 2 * NS + 3 * H + NA
+        norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
+        plan = _Plan(B, L, lengths, buffered_tokens, M3_Q, True)
+        M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
+        back = []
+        with C._Scratch(self, st) as sc:
+            I = plan.upload(sc)
+            I["M"], I["r"] = M, sc(M)
+            p = [self._on_device(sc, a, back) for a in pieces]
+            theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
+            rep = []
+            for a in reports:
+                if a.device == self.name:
+                    rep.append(a.ptr)
+                else:
+                    rep.append(sc(a.size))
+                    back.append((a, rep[-1]))
+            yd = y.ptr if y.device == self.name else sc(B * L * dm)
+            nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
+            parts = sc(nparts) if nparts else 0
+            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts)
+            # B and C RMSNorm over N
+            Bn, Cn = sc(M * NS), sc(M * NS)
+            for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
+                self._launch(s, "mb_rms_k", (min(C._cdiv(M, C.NORM_ROWS), 16 * self.sms),),
+                             C.NORM_THREADS, M, NS, zx + 4 * col, NP, I["r"], smem=C.NORM_SMEM)
+                self._launch(s, "mb_rms_scale_k", (self._grid(M * NS),), C.THREADS,
+                             M, NS, zx + 4 * col, NP, I["r"], wn, out, NS)
+            # ext rows: the working chunk's from the state, then the new tokens'
+            Q, K, V = sc(E * H * NS), sc(E * H * NS), sc(E * di)
+            DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
+            bufs = ((bq, Q, H * NS), (bk, K, H * NS), (bv, V, di), (bdt, DT, H),
+                    (bsig, SIG, H), (badt, ADT, H))
+            for buf, ext, W in bufs:
+                self._launch(s, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
+                             B, I["eoff"], I["t0"], M3_Q, W, buf, ext)
+            self._launch(s, "mb_m3_prep_k", self._rows_grid(L * (H + NA), B), C.THREADS,
+                         B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
+                         B_bias, C_bias, DT, SIG, ADT, QKG, TA)
+            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
+                         B, I["off"], I["eoff"], I["t0"], di, zx + 4 * di, NP, V)
+            self._launch(s, "mb_m3_rotate_k", (self._grid(B * H * NA),), C.THREADS,
+                         B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, TA, DT,
+                         theta, Q, K, rep[3])
+            if pending:
+                self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
+                             B, H, I["eoff"], DT, SIG, pk, pv, h)
+                for a, n in ((pk, B * H * NS), (pv, B * H * HP)):
+                    self._ck(self.cu.cuMemsetD32Async(a, 0, n, s), "cuMemsetD32Async")
+            # the chunks: sealed ones' contractions, the state pass, the outputs
+            S, Ec, hck = sc(NC * H * per), sc(NC * H), sc(NC * H * per)
+            self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
+                         I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
+                         B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
+            yg = sc(M * di)
+            self._launch(s, "mb_m3_y_k", (M3_Q, H, NC), HP, I["desc"], H, di, NP, Q, K, V, DT,
+                         SIG, ADT, QKG, hck, D, zx, yg)
+            # reports of each row's last token, then the working chunk into the state
+            self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
+                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0)
+            self._launch(s, "mb_m3_last_k", (self._grid(B * H * (NS + HP)),), C.THREADS,
+                         B, H, I["last"], K, V, rep[1], rep[2])
+            for buf, ext, W in bufs:
+                self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
+                             B, I["store"], M3_Q, W, ext, buf)
+            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts)
+            if y.device == "cpu":
+                back.append((y, yd))
+            self._finish(st, back)
+        return buffered_tokens if lengths is not None else plan.counts[0]
+
+
+if enabled():
+    SsdMixin.m2_forward = SsdMixin._m2_forward
+    SsdMixin.m2_report_inputs = SsdMixin._m2_report_inputs
+    SsdMixin.m2_h_last = SsdMixin._m2_h_last
+    SsdMixin.m3_forward = SsdMixin._m3_forward

@@ -1,0 +1,416 @@
+/* Mamba-2 (SSD) backward: the VJP of a zero-state prefill of B rows of L tokens,
+ * differentiating the chunked SSD as block2.c computes it (chunks of Q on the grid
+ * from position 0). docs/numerics.md "Backward (Mamba-2)" gives every order.
+ *
+ * Phases: the forward (block2.c, keeping its activations and the state entering each
+ * chunk); out_proj, gated norm and gate backward (per token); the SSD backward per
+ * (row, head), serial over chunks in reverse, leaving per-head pieces of dB and dC;
+ * their sum over heads per token; conv backward; in_proj and block norm backward;
+ * the weight gradients as folds over the tokens. */
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "mamba_ref.h"
+#include "numerics.h"
+#include "gemm.h"
+#include "ops.h"
+#include "grad.h"
+#include "block2.h"
+#include "fpenv.h"
+
+#define NS MB_M2_NS
+#define HP MB_M2_HP
+#define CQ MB_M2_Q
+#define TAPS 4
+
+typedef struct {
+    const mb_m2_weights *w;
+    int64_t B, L, nk, di, H, CD, NP;
+    const m2_acts *a;
+    const float *dY;                 /* (M, di) gradient of Y before the gate */
+    float *du;                       /* (M, CD) gradient of u */
+    float *dzxd;                     /* (M, NP): the SSD writes the dt columns */
+    float *ddA, *dts;                /* (M, H) gradient of dA, and dt */
+    float *dGh, *dCoff, *dBst;       /* (M, H, Q), (M, H, NS), (M, H, NS) per-head pieces */
+} bctx;
+
+/* Per-thread scratch of the SSD backward, in floats. */
+#define BSCR (CQ * CQ + 5 * CQ * HP + 4 * NS * HP + 2 * NS + 13 * CQ)
+
+static float dsilu(float z)
+{
+    const float s = mb_sigmoid(z);
+    return s * (1.0f + z * (1.0f - s));
+}
+
+/* One (row, head): every chunk from the last to the first, dh the gradient of the
+ * state leaving the chunk under work. */
+static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
+{
+    const mb_m2_weights *w = c->w;
+    const int64_t L = c->L, nk = c->nk, di = c->di, H = c->H, CD = c->CD, NP = c->NP;
+    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h], Dh = w->D[h];
+    float *Mf = scr, *Xd = Mf + CQ * CQ, *XdT = Xd + CQ * HP, *dyo = XdT + HP * CQ;
+    float *dXd = dyo + CQ * HP, *tmpv = dXd + CQ * HP, *hP = tmpv + CQ * HP;
+    float *dh = hP + HP * NS, *dhP = dh + NS * HP, *dhn = dhP + HP * NS;
+    float *vec = dhn + NS * HP, *vec2 = vec + NS;
+    float *dt = vec2 + NS, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
+    float *sacc = s + CQ, *dcs = sacc + CQ, *tmp = dcs + CQ, *vpre = tmp + CQ, *Lm = vpre + CQ;
+    float *dM = Lm + CQ, *dseg = dM + CQ, *live = dseg + CQ;
+    memset(dh, 0, NS * HP * sizeof(float));
+
+    for (int64_t k = nk - 1; k >= 0; k--) {
+        const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
+        const int folded = k < nk - 1;
+        const float *u = c->a->u + t0 * CD, *dtr = c->a->zxd + t0 * NP + di + CD + h;
+        const float *G = c->a->G + t0 * CQ, *dY = c->dY + t0 * di + h * HP;
+        const float *hprev = c->a->hck + ((b * H + h) * nk + k) * NS * HP;
+
+        /* the forward's per-chunk values, as chunk_prep computes them */
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            vpre[i] = dtr[i * NP] + bias;
+            const float sp = mb_softplus(vpre[i]);
+            live[i] = (sp < w->dt_lo || sp > w->dt_hi) ? 0.0f : 1.0f;
+            dt[i] = mb_clamp(sp, w->dt_lo, w->dt_hi);
+            dA[i] = dt[i] * A;
+            acc = acc + dA[i];
+            cs[i] = acc;
+            ev[i] = mb_exp(cs[i]);
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int p = 0; p < HP; p++) {
+                Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
+                XdT[p * CQ + i] = Xd[i * HP + p];
+            }
+        MB_ISA_FN(mb_transpose)(NS, HP, hprev, HP, hP, NS);
+
+        /* per output row i: dM, dG, dseg, the Y_off terms */
+        for (int64_t j = 0; j < n; j++) sacc[j] = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *dYi = dY + i * di, *Gi = G + i * CQ, *Ci = u + i * CD + di + NS;
+            for (int64_t j = 0; j < i; j++) s[j] = s[j] + dA[i];
+            s[i] = 0.0f;
+            for (int64_t j = 0; j <= i; j++) {
+                Lm[j] = mb_exp(s[j]);
+                Mf[i * CQ + j] = Gi[j] * Lm[j];
+                dM[j] = 0.0f;
+            }
+            for (int p = 0; p < HP; p++) {
+                const float dv = dYi[p], *xr = XdT + p * CQ;
+                for (int64_t j = 0; j <= i; j++) dM[j] = fmaf(dv, xr[j], dM[j]);
+            }
+            float *dg = c->dGh + ((t0 + i) * H + h) * CQ;
+            for (int64_t j = 0; j <= i; j++) {
+                dg[j] = dM[j] * Lm[j];
+                dseg[j] = (dM[j] * Gi[j]) * Lm[j];
+            }
+            /* seg[i][j] holds dA[j+1..i]: dA[m] gets the prefix of row i below m */
+            float pre = 0.0f;
+            for (int64_t m = 1; m <= i; m++) {
+                pre = pre + dseg[m - 1];
+                sacc[m] = sacc[m] + pre;
+            }
+            /* Y_off[i] = (C_i . h_prev) * exp(cs[i]) */
+            float *yo = tmpv;
+            for (int p = 0; p < HP; p++) yo[p] = 0.0f;
+            for (int m = 0; m < NS; m++) {
+                const float cv = Ci[m], *hr = hprev + m * HP;
+                for (int p = 0; p < HP; p++) yo[p] = fmaf(cv, hr[p], yo[p]);
+            }
+            dcs[i] = mb_dot(HP, dYi, 1, yo, 1) * ev[i];
+            float *dyr = dyo + i * HP;
+            for (int p = 0; p < HP; p++) dyr[p] = dYi[p] * ev[i];
+            float *dco = c->dCoff + ((t0 + i) * H + h) * NS;
+            for (int m = 0; m < NS; m++) dco[m] = 0.0f;
+            for (int p = 0; p < HP; p++) {
+                const float dv = dyr[p], *hr = hP + p * NS;
+                for (int m = 0; m < NS; m++) dco[m] = fmaf(dv, hr[m], dco[m]);
+            }
+        }
+        /* dXd[j] = sum over i >= j of M[i][j] dY[i] */
+        for (int64_t j = 0; j < n; j++) {
+            float *o = dXd + j * HP;
+            for (int p = 0; p < HP; p++) o[p] = 0.0f;
+            for (int64_t i = j; i < n; i++) {
+                const float mv = Mf[i * CQ + j], *dYi = dY + i * di;
+                for (int p = 0; p < HP; p++) o[p] = fmaf(mv, dYi[p], o[p]);
+            }
+        }
+        /* the chunk's fold h = fma(exp(cs_last), h_prev, Bd^T . Xd), when its result is used */
+        float E = 0.0f;
+        if (folded) {
+            const float last = cs[n - 1];
+            E = mb_exp(last);
+            MB_ISA_FN(mb_transpose)(NS, HP, dh, HP, dhP, NS);
+            float T = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float dec = mb_exp(last - cs[j]), *Bj = u + j * CD + di, *Xj = Xd + j * HP;
+                float *Bd = vec, *dBd = vec2, *o = tmpv, *dbs = c->dBst + ((t0 + j) * H + h) * NS;
+                for (int m = 0; m < NS; m++) Bd[m] = Bj[m] * dec;
+                for (int p = 0; p < HP; p++) o[p] = 0.0f;
+                for (int m = 0; m < NS; m++) {
+                    const float bv = Bd[m], *dr = dh + m * HP;
+                    for (int p = 0; p < HP; p++) o[p] = fmaf(bv, dr[p], o[p]);
+                }
+                for (int p = 0; p < HP; p++) dXd[j * HP + p] = dXd[j * HP + p] + o[p];
+                for (int m = 0; m < NS; m++) dBd[m] = 0.0f;
+                for (int p = 0; p < HP; p++) {
+                    const float xv = Xj[p], *dr = dhP + p * NS;
+                    for (int m = 0; m < NS; m++) dBd[m] = fmaf(xv, dr[m], dBd[m]);
+                }
+                tmp[j] = mb_dot(NS, dBd, 1, Bj, 1) * dec;
+                for (int m = 0; m < NS; m++) dbs[m] = dBd[m] * dec;
+            }
+            for (int64_t j = 0; j < n; j++) {
+                dcs[j] = dcs[j] - tmp[j];
+                T = T + tmp[j];
+            }
+            dcs[n - 1] = (dcs[n - 1] + T) + mb_dot(NS * HP, dh, 1, hprev, 1) * E;
+        }
+        /* dA: the cumsum's part (suffix sums of dcs) then seg's */
+        float suf = 0.0f;
+        for (int64_t i = n - 1; i >= 0; i--) {
+            suf = suf + dcs[i];
+            tmp[i] = suf + sacc[i];
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *xi = u + i * CD + h * HP, *dYi = dY + i * di, *dXi = dXd + i * HP;
+            float *dx = c->du + (t0 + i) * CD + h * HP;
+            for (int p = 0; p < HP; p++) dx[p] = dYi[p] * Dh + dXi[p] * dt[i];
+            const float ddt = mb_dot(HP, dXi, 1, xi, 1) + tmp[i] * A;
+            const float g = vpre[i] <= 20.0f ? ddt * mb_sigmoid(vpre[i]) : ddt;
+            c->dzxd[(t0 + i) * NP + di + CD + h] = live[i] != 0.0f ? g : 0.0f;
+            c->ddA[(t0 + i) * H + h] = tmp[i];
+            c->dts[(t0 + i) * H + h] = dt[i];
+        }
+        /* gradient of the state entering the chunk */
+        if (k > 0) {
+            for (int i = 0; i < NS * HP; i++) dhn[i] = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                const float *Ci = u + i * CD + di + NS, *dyr = dyo + i * HP;
+                for (int m = 0; m < NS; m++) {
+                    const float cv = Ci[m];
+                    float *o = dhn + m * HP;
+                    for (int p = 0; p < HP; p++) o[p] = fmaf(cv, dyr[p], o[p]);
+                }
+            }
+            if (folded)
+                for (int i = 0; i < NS * HP; i++) dh[i] = fmaf(E, dh[i], dhn[i]);
+            else
+                memcpy(dh, dhn, NS * HP * sizeof(float));
+        }
+    }
+}
+
+/* dB and dC of one chunk's rows: the head sum of dG, contracted with C (for dB) or B
+ * (for dC), then the heads' state pieces added in ascending order. */
+static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
+{
+    const int64_t L = c->L, H = c->H, CD = c->CD, di = c->di;
+    const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
+    const int folded = k < c->nk - 1;
+    const float *u = c->a->u + t0 * CD;
+    for (int64_t i = 0; i < n; i++) {
+        float *o = dGs + i * CQ;
+        for (int64_t j = 0; j <= i; j++) o[j] = 0.0f;
+        for (int64_t h = 0; h < H; h++) {
+            const float *g = c->dGh + ((t0 + i) * H + h) * CQ;
+            for (int64_t j = 0; j <= i; j++) o[j] = o[j] + g[j];
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float *dC = c->du + (t0 + i) * CD + di + NS;
+        for (int m = 0; m < NS; m++) dC[m] = 0.0f;
+        for (int64_t j = 0; j <= i; j++) {
+            const float gv = dGs[i * CQ + j], *Bj = u + j * CD + di;
+            for (int m = 0; m < NS; m++) dC[m] = fmaf(gv, Bj[m], dC[m]);
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *p = c->dCoff + ((t0 + i) * H + h) * NS;
+            for (int m = 0; m < NS; m++) dC[m] = dC[m] + p[m];
+        }
+    }
+    for (int64_t j = 0; j < n; j++) {
+        float *dB = c->du + (t0 + j) * CD + di;
+        for (int m = 0; m < NS; m++) dB[m] = 0.0f;
+        for (int64_t i = j; i < n; i++) {
+            const float gv = dGs[i * CQ + j], *Ci = u + i * CD + di + NS;
+            for (int m = 0; m < NS; m++) dB[m] = fmaf(gv, Ci[m], dB[m]);
+        }
+        if (folded)
+            for (int64_t h = 0; h < H; h++) {
+                const float *p = c->dBst + ((t0 + j) * H + h) * NS;
+                for (int m = 0; m < NS; m++) dB[m] = dB[m] + p[m];
+            }
+    }
+}
+
+static int max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static int thread_num(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                              const float *dy, const mb_m2_grads *gr)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
+    const int64_t M = B * L, nk = (L + CQ - 1) / CQ, nth = max_threads();
+    /* sizes of every buffer, in floats, in allocation order */
+    const int64_t sz[] = {
+        B * CD * TAPS, B * H * HP * NS, B * CQ * CD, B * CQ * H, /* fresh state */
+        M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
+        M * dm,                                                  /* forward output, then dxn */
+        M * di, M * di, M * di,                                  /* g, gn / dY, dgn / dg */
+        dm * M + di * M,                                         /* transposes for dW */
+        di * dm + dm * NP,                                       /* W^T */
+        M * NP, M * CD, 2 * M * H,                               /* dzxd, du, ddA + dts */
+        M * H * CQ, 2 * M * H * NS,                              /* per-head pieces */
+        nth * (BSCR > CQ * CQ ? BSCR : CQ * CQ),                 /* per-thread scratch */
+        M * dm, M * dm,                                          /* xn, xr */
+        (NP + dm) * M,                                           /* transposes for dW_in */
+    };
+    const int nb = (int)(sizeof sz / sizeof sz[0]);
+    int64_t total = 0;
+    for (int i = 0; i < nb; i++) total += sz[i];
+    float *buf = calloc((size_t)total, sizeof(float));
+    int64_t *cnt = calloc((size_t)B, sizeof *cnt);
+    if (!buf || !cnt) {
+        free(buf);
+        free(cnt);
+        return MB_ENOMEM;
+    }
+    float *p[32];
+    p[0] = buf;
+    for (int i = 1; i < nb; i++) p[i] = p[i - 1] + sz[i - 1];
+    const mb_m2_state st = {p[0], p[1], p[2], p[3], cnt};
+    const m2_acts acts = {p[4], p[5], p[6], p[7], p[8], p[9]};
+    float *yf = p[10], *g = p[11], *gn = p[12], *dgn = p[13], *dyT = p[14], *gnT = dyT + dm * M;
+    float *WoT = p[15], *WiT = WoT + di * dm, *dzxd = p[16], *du = p[17], *ddA = p[18];
+    float *dts = ddA + M * H, *dGh = p[19], *dCoff = p[20], *dBst = dCoff + M * H * NS;
+    float *scr = p[21], *xn = p[22], *xr = p[23];
+    const int64_t bscr = BSCR > CQ * CQ ? BSCR : CQ * CQ;
+
+    int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, yf, &acts);
+    if (rc != MB_OK) {
+        free(buf);
+        free(cnt);
+        return rc;
+    }
+
+    /* out_proj: dW = dy^T . gn over the tokens; dgn = dy . W */
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
+        const float *Y = acts.Y + m * di, *z = acts.zxd + m * NP;
+        for (int64_t j = 0; j < di; j++) g[m * di + j] = Y[j] * mb_silu(z[j]);
+        mb_fpenv_exit(env);
+    }
+    MB_ISA_FN(mb_rmsnorm_rows)(M, di, g, di, w->norm_w, gn, di);
+    MB_ISA_FN(mb_transpose)(M, dm, dy, dm, dyT, M);
+    MB_ISA_FN(mb_transpose)(M, di, gn, di, gnT, M);
+    MB_ISA_FN(mb_gemm)(dm, di, M, dyT, M, gnT, M, gr->out_proj, di);
+    MB_ISA_FN(mb_transpose)(dm, di, w->out_proj, di, WoT, dm);
+    MB_ISA_FN(mb_gemm)(M, di, dm, dy, dm, WoT, dm, dgn, di);
+
+    /* gated norm, then the gate: dY = dg * silu(z), dz = (dg * Y) * silu'(z) */
+    float *dg = gn, *xr2 = dyT; /* gn and dyT are dead now */
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, di, g, di, w->norm_w, dgn, di, dg, di, xr2, di);
+    MB_ISA_FN(mb_colfold)(B, L, di, dgn, di, xr2, di, 0, gr->norm_w, 1);
+    float *dY = dgn;
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
+        const float *Y = acts.Y + m * di, *z = acts.zxd + m * NP, *d = dg + m * di;
+        for (int64_t j = 0; j < di; j++) {
+            dzxd[m * NP + j] = (d[j] * Y[j]) * dsilu(z[j]);
+            dY[m * di + j] = d[j] * mb_silu(z[j]);
+        }
+        mb_fpenv_exit(env);
+    }
+
+    /* the SSD, per (row, head); then dB and dC per chunk */
+    const bctx c = {w, B, L, nk, di, H, CD, NP, &acts, dY, du, dzxd, ddA, dts, dGh, dCoff, dBst};
+    #pragma omp parallel if (B * H > 1)
+    {
+        mb_fpenv env = mb_fpenv_enter();
+        float *q = scr + thread_num() * bscr;
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * H; task++)
+            ssd_bwd(&c, task / H, task % H, q);
+        #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * nk; task++)
+            bc_combine(&c, task / nk, task % nk, q);
+        mb_fpenv_exit(env);
+    }
+
+    /* per-head vectors: D over (token, p), A_log and dt_bias over tokens */
+    for (int64_t h = 0; h < H; h++) {
+        gr->D[h] = MB_ISA_FN(mb_fold_flat)(M, HP, dY + h * HP, di, acts.u + h * HP, CD);
+        gr->A_log[h] = MB_ISA_FN(mb_fold_flat)(M, 1, ddA + h, H, dts + h, H) * -mb_exp(w->A_log[h]);
+        gr->dt_bias[h] = MB_ISA_FN(mb_fold_flat)(M, 1, dzxd + di + CD + h, NP, NULL, 0);
+    }
+
+    /* conv + silu: dpre = du * silu'(pre), in place */
+    const float *xin = acts.zxd + di;
+    #pragma omp parallel for schedule(static) if (M * CD > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
+        float *d = du + m * CD;
+        const float *pr = acts.pre + m * CD;
+        for (int64_t ch = 0; ch < CD; ch++) d[ch] = d[ch] * dsilu(pr[ch]);
+        mb_fpenv_exit(env);
+    }
+    MB_ISA_FN(mb_colfold)(B, L, CD, du, CD, NULL, 0, 0, gr->conv_b, 1);
+    for (int kk = 0; kk < TAPS; kk++)
+        MB_ISA_FN(mb_colfold)(B, L, CD, du, CD, xin, NP, TAPS - 1 - kk, gr->conv_w + kk, TAPS);
+    /* d(xBC) at token t: taps ascending, over the outputs t + 3 - k that exist */
+    #pragma omp parallel for schedule(static) if (M * CD > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
+        const int64_t t = m % L;
+        float *o = dzxd + m * NP + di;
+        for (int64_t ch = 0; ch < CD; ch++) o[ch] = 0.0f;
+        for (int kk = 0; kk < TAPS; kk++) {
+            const int64_t tp = t + (TAPS - 1) - kk;
+            if (tp >= L)
+                continue;
+            const float *d = du + (m - t + tp) * CD;
+            for (int64_t ch = 0; ch < CD; ch++) o[ch] = fmaf(w->conv_w[ch * TAPS + kk], d[ch], o[ch]);
+        }
+        mb_fpenv_exit(env);
+    }
+
+    /* in_proj: dW = dzxd^T . xn over the tokens; dxn = dzxd . W */
+    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->block_norm_w, xn, dm);
+    float *dzT = p[24], *xnT = dzT + NP * M;
+    MB_ISA_FN(mb_transpose)(M, NP, dzxd, NP, dzT, M);
+    MB_ISA_FN(mb_transpose)(M, dm, xn, dm, xnT, M);
+    MB_ISA_FN(mb_gemm)(NP, dm, M, dzT, M, xnT, M, gr->in_proj, dm);
+    MB_ISA_FN(mb_transpose)(NP, dm, w->in_proj, dm, WiT, NP);
+    float *dxn = yf;
+    MB_ISA_FN(mb_gemm)(M, dm, NP, dzxd, NP, WiT, NP, dxn, dm);
+
+    /* block norm and the residual: dx = dx_norm + dy */
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->block_norm_w, dxn, dm, gr->x, dm, xr, dm);
+    MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xr, dm, 0, gr->block_norm_w, 1);
+    for (int64_t i = 0; i < M * dm; i++) gr->x[i] = gr->x[i] + dy[i];
+    free(buf);
+    free(cnt);
+    return MB_OK;
+}

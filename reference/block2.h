@@ -1,0 +1,29 @@
+/* What the Mamba-2 forward shares with its backward (back2.c): the forward run on a
+ * given state with copies of the activations the backward differentiates. */
+#ifndef MB_BLOCK2_H
+#define MB_BLOCK2_H
+#include "mamba_ref.h"
+#include "isa.h"
+
+#define MB_M2_NS 128 /* d_state */
+#define MB_M2_HP 64  /* head dim */
+#ifdef MB_SABOTAGE_CHUNK128
+#define MB_M2_Q 128
+#else
+#define MB_M2_Q 256  /* chunk size: part of the arithmetic */
+#endif
+
+/* Buffers for M tokens (packed, row-major b then t) of a call without lengths:
+ * zxd (M, 2 di + 256 + H) in_proj's output; pre (M, di + 256) the conv outputs before
+ * silu; u (M, di + 256) post-conv post-silu xBC;
+ * G (M, Q) with G[t][j] = C_t . B_j over the chunk's rows j <= t (others unset);
+ * Y (M, di) the SSD output before the gate; hck (B, H, ceil(L / Q), 128, 64) the state
+ * entering each chunk, transposed (h[n][p]). */
+typedef struct {
+    float *zxd, *pre, *u, *G, *Y, *hck;
+} m2_acts;
+
+int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                          const mb_m2_state *st, float *y, const m2_acts *acts);
+
+#endif
