@@ -64,7 +64,7 @@ class _Plan:
             raise ValueError(f"mamba: a call of {self.NC} chunks exceeds the CUDA backend's "
                              f"{MAX_GRID_Z}; split the batch or the sequence")
         self.counts = counts
-        self._parts = [("off", off), ("t0", [t0] * B), ("eoff", eoff), ("cbeg", cbeg),
+        self._parts = [("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff), ("cbeg", cbeg),
                        ("store", store), ("last", last), ("rep", rep), ("desc", desc)]
 
     def upload(self, sc):
@@ -243,13 +243,12 @@ class SsdMixin:
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts)
-            # B and C RMSNorm over N
-            Bn, Cn = sc(M * NS), sc(M * NS)
+            # B and C RMSNorm over N (each gathered into its own rows first)
+            Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
             for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
-                self._launch(s, "mb_rms_k", (min(C._cdiv(M, C.NORM_ROWS), 16 * self.sms),),
-                             C.NORM_THREADS, M, NS, zx + 4 * col, NP, I["r"], smem=C.NORM_SMEM)
-                self._launch(s, "mb_rms_scale_k", (self._grid(M * NS),), C.THREADS,
-                             M, NS, zx + 4 * col, NP, I["r"], wn, out, NS)
+                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * NS, B), C.THREADS,
+                             B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
+                self._rmsnorm(s, False, M, NS, raw, wn, out, I["r"])
             # ext rows: the working chunk's from the state, then the new tokens'
             Q, K, V = sc(E * H * NS), sc(E * H * NS), sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)

@@ -171,8 +171,11 @@ def test_probe_without_hip_runtime(tmp_path):
         pytest.skip("this build has no HIP code objects, which the probe reports first")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libamdhip64.so").write_bytes(b"not a shared library")
-    r = subprocess.run([sys.executable, "-c", "from mamba import _hip; print(_hip.probe()[1])"],
-                       cwd=tmp_path, env=dict(os.environ, ROCM_PATH=str(tmp_path)),
+    # ROCM_PATH is set after the import: a developer's editable install may rebuild
+    # on import, and hipcc reads ROCM_PATH too; the bindings read it at their first call
+    code = ("import os, sys; from mamba import _hip; os.environ['ROCM_PATH'] = sys.argv[1]; "
+            "print(_hip.probe()[1])")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=600)
     assert r.stdout.startswith("no HIP runtime: ") and "libamdhip64" in r.stdout, \
         r.stdout + r.stderr
