@@ -1,5 +1,6 @@
 """Mamba-1 on the CPU against Hugging Face transformers' MambaBlock (CPU torch float32),
-in one process: forward at B=1, L=2048, d_model=384 and a decode step at d_model=1024.
+in one process: forward and backward at B=1, L=2048, d_model=384 and a decode step at
+d_model=1024.
 Prints markdown rows for docs/performance.md."""
 import statistics
 import time
@@ -47,6 +48,27 @@ def forward_row(B, L, dm, reps):
     return f"| Mamba1Block.forward B={B} L={L} d_model={dm} | {t_us:.1f} ms | {t_hf:.1f} ms | {t_hf / t_us:.1f}x |"
 
 
+def backward_row(B, L, dm, reps):
+    """Gradients of x and every weight: ours against HF's forward + torch autograd."""
+    w = mamba.random_weights("mamba1", dm)
+    ours = mamba.Mamba1Block(w, backend="cpu")
+    hf, _ = hf_block(w, dm)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, L, dm)).astype(np.float32)
+    dy = rng.standard_normal((B, L, dm)).astype(np.float32)
+    dyt = torch.from_numpy(dy)
+
+    def hf_bwd():
+        hf.zero_grad()
+        xt = torch.from_numpy(x).requires_grad_(True)
+        hf(xt).backward(dyt)
+
+    t_hf = median_ms(hf_bwd, reps)
+    t_us = median_ms(lambda: ours.backward(x, dy), reps)
+    return (f"| Mamba1Block.backward B={B} L={L} d_model={dm} (HF: forward + autograd) "
+            f"| {t_us:.1f} ms | {t_hf:.1f} ms | {t_hf / t_us:.1f}x |")
+
+
 def decode_row(dm, reps):
     w = mamba.random_weights("mamba1", dm)
     ours = mamba.Mamba1Block(w, backend="cpu")
@@ -73,4 +95,5 @@ if __name__ == "__main__":
     print("| case | mamba-blocks (identical) | HF transformers | speed-up |")
     print("|---|---|---|---|")
     print(forward_row(1, 2048, 384, 7))
+    print(backward_row(1, 2048, 384, 5))
     print(decode_row(1024, 50))

@@ -149,6 +149,35 @@ def test_device_weights_and_session(be, torch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,P,T", [("mamba2", 250, 262), ("mamba3", 60, 70)])
+def test_ssd_device_in_device_out(be, torch, name, P, T):
+    """Mamba-2/3: device x and device state, through a chunk boundary by decode
+    steps in a session; outputs, state and reports equal the C reference's."""
+    if not _backends.supports(be, _backends._op_for(f"Mamba{name[-1]}Block")):
+        pytest.skip(f"{name} is not enabled on the CUDA backend (MAMBA_CUDA_SSD=1 enables it)")
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    x = rand((2, T, cpu.d_model), 11)
+    st_c, st_g = cpu.allocate_state(2), cpu.allocate_state(2)
+    st_d = type(st_g)(*[dev(torch, p) for p in st_g.pieces()])
+    y = gpu.forward(dev(torch, time_slice(x, 0, P)), st_d)
+    assert y.device == "cuda"
+    assert host_bytes(y) == raw(cpu.forward(time_slice(x, 0, P), st_c))
+    reports = ("h_last_",) if name == "mamba2" else ("h_last_", "k_last_", "v_last_", "theta_last_")
+    for r in reports:
+        assert host_bytes(getattr(gpu, r)) == raw(getattr(cpu, r)), r
+    with gpu.decode_session(st_d) as sess:
+        for t in range(P, T):
+            xt = time_slice(x, t, t + 1)
+            yt = sess.step(dev(torch, xt))
+            assert yt.device == "cuda"
+            assert host_bytes(yt) == raw(cpu.step(xt, st_c)), f"token {t}"
+    for n, p in zip(st_c._PIECES, st_c.pieces()):
+        assert host_bytes(getattr(st_d, n)) == raw(p), n
+    for n in st_c._SCALARS:
+        assert getattr(st_d, n) == getattr(st_c, n), n
+
+
+@pytest.mark.gpu
 def test_device_ragged_and_strided(be, torch):
     gpu, cpu = make("mamba1", d_model=D, backend="cuda"), make("mamba1", d_model=D, backend="cpu")
     x = rand((3, 11, D), 4)

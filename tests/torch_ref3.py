@@ -5,13 +5,21 @@ tests/ops/triton/test_mamba3_siso.py), one state update per token, no chunks.
 Autograd differentiates it: the A floor (torch.clamp) passes no gradient where it
 binds, and the angle reduction theta - 2 pi floor(theta / 2 pi) has derivative 1.
 
-Weights are upstream-like (`mamba.random_weights`) with out_proj scaled by 1/8, the
-scaling of the forward oracle (mamba/_oracle64/oracle3.py `sane`), for the same
-reason: with unit B/C biases q.k is about 128 and the float32 block differs from
-float64 by a few 1e-6 absolute where a value crosses zero; scaled, every gradient
-keeps rtol 1e-5, atol 1e-6."""
+Weights are upstream-like (`mamba.random_weights`) scaled by exact powers of two
+(`weights`): out_proj by 1/8 as the forward oracle's `sane` does, and also B_bias,
+C_bias, B_norm.weight, C_norm.weight and the x (v) rows of in_proj by 1/8. The
+gradients fold B*L per-token terms; at upstream scale (unit biases, q.k about 128) the
+gated output and the gradients flowing back through it are of order 10 to 100, and a
+float32 fold of such terms is a few 1e-6 to 1e-5 away from float64 where the result
+crosses zero: out_proj.weight's gradient missed atol 1e-6 by up to 10x, while every
+in_proj section (z, x, B, C, dt, A, trap, angle) agreed to about 1e-6 of its own
+largest value. Scaled, q.k is about 2 and every gradient of CASES stays within 0.35
+of the tolerance rtol 1e-5, atol 1e-6; the smallest section (the angle rows of
+in_proj) is still about 1e-3, so an error in any path shows.
+"""
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,9 +31,13 @@ CASES = [(2, 9, 32), (1, 65, 32), (2, 129, 32)]
 
 
 def weights(d_model, seed):
-    import numpy as np
+    """Upstream-like weights on the scale above (numpy float32, writable)."""
     w = {k: np.array(v) for k, v in mamba.random_weights("mamba3", d_model, seed=seed).items()}
-    w["out_proj.weight"] = w["out_proj.weight"] * np.float32(0.125)
+    eighth = np.float32(0.125)
+    for k in ("out_proj.weight", "B_bias", "C_bias", "B_norm.weight", "C_norm.weight"):
+        w[k] = w[k] * eighth
+    di = 2 * d_model
+    w["in_proj.weight"][di:2 * di] *= eighth
     return w
 
 
