@@ -1,29 +1,12 @@
-"""Mamba3Block.forward on the CPU (the C reference, identical profile) against a plain
-torch float32 eager implementation of the same block, timed in one run.
-
-The torch side is bench-only code written from upstream's mamba3_siso_fwd_ref
-(state-spaces/mamba tests/ops/triton/test_mamba3_siso.py) and Mamba3.forward, with
-the quadratic form evaluated per chunk of 64 and the chunk states passed as in
-ssd_minimal. It agrees with the block to float32 rounding (printed as a check).
-
-    python bench/cpu_mamba3.py [--batch 1 --length 2048 --d-model 384 --repeat 7]
-
-Also times one decode step (a session and a plain step) against the torch step
-written from upstream's mamba3_siso_step_ref. Prints markdown rows for
-docs/performance.md. Timings on a busy machine are indicative only.
-"""
-import argparse
+"""The Mamba-3 SISO block in plain torch float32 eager (bench-only), written from
+upstream's mamba3_siso_fwd_ref / mamba3_siso_step_ref (state-spaces/mamba
+tests/ops/triton/test_mamba3_siso.py) and Mamba3.forward, the quadratic form evaluated
+per chunk of 64 and the chunk states passed as in ssd_minimal. Differentiable, so it
+also gives the torch-autograd baseline for backward."""
 import math
-import os
-import platform
-import statistics
-import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-
-import mamba
 
 N, P, R, Q = 128, 64, 32, 64
 
@@ -120,79 +103,3 @@ def torch_step(w, x, st):
     y = torch.einsum("bhpn,bhn->bhp", S, q) + w["D"][:, None] * v
     st[:] = [theta, S, k, v]
     return x + (y.reshape(B, di) * F.silu(z)) @ w["out_proj.weight"].T
-
-
-def timed(fn, repeat):
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def forward_row(B, L, dm, repeat):
-    w = mamba.random_weights("mamba3", dm, seed=0)
-    blk = mamba.Mamba3Block(w, backend="cpu")
-    x = np.random.default_rng(0).standard_normal((B, L, dm)).astype(np.float32)
-    tw = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
-    tx = torch.from_numpy(x)
-    with torch.inference_mode():
-        ref = torch_block(tw, tx).numpy()
-        t_torch = timed(lambda: torch_block(tw, tx), repeat)
-    y = np.asarray(blk.forward(x))
-    t_ours = timed(lambda: blk.forward(x), repeat)
-    err = float(np.abs(y - ref).max() / np.abs(ref).max())
-    print(f"check: forward, max |mamba - torch| / max |torch| = {err:.1e}")
-    return (f"| Mamba3Block.forward B={B} L={L} d_model={dm} | {1e3 * t_ours:.1f} ms | "
-            f"{1e3 * t_torch:.1f} ms | {t_torch / t_ours:.1f}x |")
-
-
-def decode_row(dm, repeat):
-    w = mamba.random_weights("mamba3", dm, seed=0)
-    blk = mamba.Mamba3Block(w, backend="cpu")
-    rng = np.random.default_rng(1)
-    prompt = rng.standard_normal((1, 60, dm)).astype(np.float32)
-    tok = rng.standard_normal((1, 1, dm)).astype(np.float32)
-    st = blk.allocate_state(1)
-    blk.forward(prompt, st)
-    tw = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
-    H = 2 * dm // P
-    tst = [torch.zeros(1, H, R), torch.zeros(1, H, P, N), torch.zeros(1, H, N),
-           torch.zeros(1, H, P)]
-    tt = torch.from_numpy(tok[:, 0])
-    with torch.inference_mode():
-        for t in range(60):
-            torch_step(tw, torch.from_numpy(prompt[:, t]), tst)
-        t_torch = timed(lambda: torch_step(tw, tt, tst), repeat)
-    with blk.decode_session(st) as s:
-        t_sess = timed(lambda: s.step(tok), repeat)
-    t_step = timed(lambda: blk.step(tok, st), repeat)
-    return (f"| Mamba3 decode step d_model={dm} B=1 (session / step) | {1e3 * t_sess:.3f} / "
-            f"{1e3 * t_step:.3f} ms | {1e3 * t_torch:.3f} ms | {t_torch / t_sess:.1f}x |")
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--length", type=int, default=2048)
-    p.add_argument("--d-model", type=int, default=384)
-    p.add_argument("--decode-d-model", type=int, default=1024)
-    p.add_argument("--repeat", type=int, default=7)
-    args = p.parse_args()
-    if args.length % Q:
-        p.error("--length must be a multiple of 64 (the torch side does not pad)")
-    rows = [forward_row(args.batch, args.length, args.d_model, args.repeat),
-            decode_row(args.decode_d_model, 10 * args.repeat)]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; OpenMP "
-          f"{os.environ.get('OMP_NUM_THREADS', 'default')}; {os.cpu_count()} cores "
-          f"({platform.processor() or platform.machine()})")
-    print("| case | mamba-blocks (identical) | torch eager fp32 | speed-up |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(r)
-
-
-if __name__ == "__main__":
-    main()
