@@ -1,6 +1,13 @@
 """mamba-blocks: Mamba-1, Mamba-2 and Mamba-3 blocks whose float32 results are
 bit-identical on the CPU and on GPUs, across batch composition, and between one
 prefill and any split of it into prefill and decode steps."""
+import os as _os
+
+# OpenMP workers sleep between parallel regions instead of spinning: on a shared or
+# oversubscribed machine spinning made a decode step 25x slower, and sleeping costs a
+# few microseconds per region. Set OMP_WAIT_POLICY yourself to choose otherwise.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     from ._core import Array, empty, zeros
 except ImportError as e:  # the source checkout shadows the installed package
