@@ -172,8 +172,9 @@ class SsdMixin:
                              B, I["store"], M2_Q, W, ext, buf)
             # gate before the norm, the gated norm, out_proj, residual
             self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
-            self._rmsnorm(s, False, M, di, yg, gnorm_w, yg, I["r"])
-            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts)
+            gn = sc(M * di)
+            self._rmsnorm(s, False, M, di, yg, gnorm_w, gn, I["r"])
+            self._back(s, B, L, dm, di, M, I, gn, out_proj, xd, xn, yd, parts)
             if y.device == "cpu":
                 back.append((y, yd))
             self._finish(st, back)

@@ -169,8 +169,9 @@ class Mamba3Block(_Block):
     def _kernel(self, w, x, pieces, state, y, lengths):
         B, H = x.shape[0], self.nheads
         be = self._backend
-        reports = (be.empty((B, H, HEADDIM, D_STATE)), be.empty((B, H, D_STATE)),
-                   be.empty((B, H, HEADDIM)), be.empty((B, H, N_ANGLES)))
+        # reports live where the state does (the device for a GPU session)
+        shapes = ((B, H, HEADDIM, D_STATE), (B, H, D_STATE), (B, H, HEADDIM), (B, H, N_ANGLES))
+        reports = tuple(be.empty(s, like=pieces[1]) for s in shapes)
         n = be.m3_forward(w, self.d_model, x, pieces, operator.index(state.buffered_tokens),
                           bool(state.pending), y, reports, lengths)
         state.buffered_tokens = n

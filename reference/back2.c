@@ -36,8 +36,11 @@ typedef struct {
     float *dGh, *dCoff, *dBst;       /* (M, H, Q), (M, H, NS), (M, H, NS) per-head pieces */
 } bctx;
 
+#define TR MB_M2_TR
+#define MM MB_ISA_FN(mb_m2_mm64)
+
 /* Per-thread scratch of the SSD backward, in floats. */
-#define BSCR (CQ * CQ + 5 * CQ * HP + 4 * NS * HP + 2 * NS + 13 * CQ)
+#define BSCR (CQ * CQ + 5 * CQ * HP + 4 * NS * HP + 2 * CQ * NS + TR * CQ + 11 * CQ)
 
 static float dsilu(float z)
 {
@@ -55,10 +58,10 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
     float *Mf = scr, *Xd = Mf + CQ * CQ, *XdT = Xd + CQ * HP, *dyo = XdT + HP * CQ;
     float *dXd = dyo + CQ * HP, *tmpv = dXd + CQ * HP, *hP = tmpv + CQ * HP;
     float *dh = hP + HP * NS, *dhP = dh + NS * HP, *dhn = dhP + HP * NS;
-    float *vec = dhn + NS * HP, *vec2 = vec + NS;
-    float *dt = vec2 + NS, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
-    float *sacc = s + CQ, *dcs = sacc + CQ, *tmp = dcs + CQ, *vpre = tmp + CQ, *Lm = vpre + CQ;
-    float *dM = Lm + CQ, *dseg = dM + CQ, *live = dseg + CQ;
+    float *Bd = dhn + NS * HP, *dBd = Bd + CQ * NS, *dMt = dBd + CQ * NS;
+    float *dt = dMt + TR * CQ, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
+    float *sacc = s + CQ, *dcs = sacc + CQ, *tmp = dcs + CQ, *vpre = tmp + CQ;
+    float *dseg = vpre + CQ, *live = dseg + CQ;
     memset(dh, 0, NS * HP * sizeof(float));
 
     for (int64_t k = nk - 1; k >= 0; k--) {
@@ -87,58 +90,46 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
             }
         MB_ISA_FN(mb_transpose)(NS, HP, hprev, HP, hP, NS);
 
-        /* per output row i: dM, dG, dseg, the Y_off terms */
+        /* per tile of output rows: dM, dG, dseg, the Y_off terms. Chains that run past
+         * their last live term (j > i here, i < j in dXd and dB) meet +0 entries:
+         * from a +0 seed those leave every bit as skipping them would. */
         for (int64_t j = 0; j < n; j++) sacc[j] = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            const float *dYi = dY + i * di, *Gi = G + i * CQ, *Ci = u + i * CD + di + NS;
-            for (int64_t j = 0; j < i; j++) s[j] = s[j] + dA[i];
-            s[i] = 0.0f;
-            for (int64_t j = 0; j <= i; j++) {
-                Lm[j] = mb_exp(s[j]);
-                Mf[i * CQ + j] = Gi[j] * Lm[j];
-                dM[j] = 0.0f;
+        for (int64_t i0 = 0; i0 < n; i0 += TR) {
+            const int R = n - i0 < TR ? (int)(n - i0) : TR;
+            for (int64_t jb = 0; jb < i0 + R; jb += HP)
+                MM(R, HP, dY + i0 * di, di, 1, XdT + jb, CQ, dMt + jb, CQ);
+            MM(R, NS, u + i0 * CD + di + NS, CD, 1, hprev, HP, tmpv, HP); /* C_i . h_prev */
+            for (int r = 0; r < R; r++) {
+                const int64_t i = i0 + r;
+                const float *dYi = dY + i * di, *Gi = G + i * CQ, *dMi = dMt + r * CQ;
+                for (int64_t j = 0; j < i; j++) s[j] = s[j] + dA[i];
+                s[i] = 0.0f;
+                float *dg = c->dGh + ((t0 + i) * H + h) * CQ;
+                for (int64_t j = 0; j <= i; j++) {
+                    const float lm = mb_exp(s[j]);
+                    Mf[i * CQ + j] = Gi[j] * lm;
+                    dg[j] = dMi[j] * lm;
+                    dseg[j] = (dMi[j] * Gi[j]) * lm;
+                }
+                for (int64_t j = i + 1; j < n; j++) Mf[i * CQ + j] = 0.0f;
+                /* seg[i][j] holds dA[j+1..i]: dA[m] gets the prefix of row i below m */
+                float pre = 0.0f;
+                for (int64_t m = 1; m <= i; m++) {
+                    pre = pre + dseg[m - 1];
+                    sacc[m] = sacc[m] + pre;
+                }
+                dcs[i] = mb_dot(HP, dYi, 1, tmpv + r * HP, 1) * ev[i];
+                float *dyr = dyo + i * HP;
+                for (int p = 0; p < HP; p++) dyr[p] = dYi[p] * ev[i];
             }
-            for (int p = 0; p < HP; p++) {
-                const float dv = dYi[p], *xr = XdT + p * CQ;
-                for (int64_t j = 0; j <= i; j++) dM[j] = fmaf(dv, xr[j], dM[j]);
-            }
-            float *dg = c->dGh + ((t0 + i) * H + h) * CQ;
-            for (int64_t j = 0; j <= i; j++) {
-                dg[j] = dM[j] * Lm[j];
-                dseg[j] = (dM[j] * Gi[j]) * Lm[j];
-            }
-            /* seg[i][j] holds dA[j+1..i]: dA[m] gets the prefix of row i below m */
-            float pre = 0.0f;
-            for (int64_t m = 1; m <= i; m++) {
-                pre = pre + dseg[m - 1];
-                sacc[m] = sacc[m] + pre;
-            }
-            /* Y_off[i] = (C_i . h_prev) * exp(cs[i]) */
-            float *yo = tmpv;
-            for (int p = 0; p < HP; p++) yo[p] = 0.0f;
-            for (int m = 0; m < NS; m++) {
-                const float cv = Ci[m], *hr = hprev + m * HP;
-                for (int p = 0; p < HP; p++) yo[p] = fmaf(cv, hr[p], yo[p]);
-            }
-            dcs[i] = mb_dot(HP, dYi, 1, yo, 1) * ev[i];
-            float *dyr = dyo + i * HP;
-            for (int p = 0; p < HP; p++) dyr[p] = dYi[p] * ev[i];
-            float *dco = c->dCoff + ((t0 + i) * H + h) * NS;
-            for (int m = 0; m < NS; m++) dco[m] = 0.0f;
-            for (int p = 0; p < HP; p++) {
-                const float dv = dyr[p], *hr = hP + p * NS;
-                for (int m = 0; m < NS; m++) dco[m] = fmaf(dv, hr[m], dco[m]);
-            }
+            float *dco = c->dCoff + ((t0 + i0) * H + h) * NS;
+            MM(R, HP, dyo + i0 * HP, HP, 1, hP, NS, dco, H * NS);
+            MM(R, HP, dyo + i0 * HP, HP, 1, hP + HP, NS, dco + HP, H * NS);
         }
         /* dXd[j] = sum over i >= j of M[i][j] dY[i] */
-        for (int64_t j = 0; j < n; j++) {
-            float *o = dXd + j * HP;
-            for (int p = 0; p < HP; p++) o[p] = 0.0f;
-            for (int64_t i = j; i < n; i++) {
-                const float mv = Mf[i * CQ + j], *dYi = dY + i * di;
-                for (int p = 0; p < HP; p++) o[p] = fmaf(mv, dYi[p], o[p]);
-            }
-        }
+        for (int64_t j0 = 0; j0 < n; j0 += TR)
+            MM(n - j0 < TR ? (int)(n - j0) : TR, n - j0, Mf + j0 * CQ + j0, 1, CQ, dY + j0 * di, di,
+               dXd + j0 * HP, HP);
         /* the chunk's fold h = fma(exp(cs_last), h_prev, Bd^T . Xd), when its result is used */
         float E = 0.0f;
         if (folded) {
@@ -147,22 +138,24 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
             MB_ISA_FN(mb_transpose)(NS, HP, dh, HP, dhP, NS);
             float T = 0.0f;
             for (int64_t j = 0; j < n; j++) {
-                const float dec = mb_exp(last - cs[j]), *Bj = u + j * CD + di, *Xj = Xd + j * HP;
-                float *Bd = vec, *dBd = vec2, *o = tmpv, *dbs = c->dBst + ((t0 + j) * H + h) * NS;
-                for (int m = 0; m < NS; m++) Bd[m] = Bj[m] * dec;
-                for (int p = 0; p < HP; p++) o[p] = 0.0f;
-                for (int m = 0; m < NS; m++) {
-                    const float bv = Bd[m], *dr = dh + m * HP;
-                    for (int p = 0; p < HP; p++) o[p] = fmaf(bv, dr[p], o[p]);
-                }
-                for (int p = 0; p < HP; p++) dXd[j * HP + p] = dXd[j * HP + p] + o[p];
-                for (int m = 0; m < NS; m++) dBd[m] = 0.0f;
-                for (int p = 0; p < HP; p++) {
-                    const float xv = Xj[p], *dr = dhP + p * NS;
-                    for (int m = 0; m < NS; m++) dBd[m] = fmaf(xv, dr[m], dBd[m]);
-                }
-                tmp[j] = mb_dot(NS, dBd, 1, Bj, 1) * dec;
-                for (int m = 0; m < NS; m++) dbs[m] = dBd[m] * dec;
+                const float dec = mb_exp(last - cs[j]), *Bj = u + j * CD + di;
+                for (int m = 0; m < NS; m++) Bd[j * NS + m] = Bj[m] * dec;
+                tmp[j] = dec;
+            }
+            for (int64_t j0 = 0; j0 < n; j0 += TR) {
+                const int R = n - j0 < TR ? (int)(n - j0) : TR;
+                MM(R, NS, Bd + j0 * NS, NS, 1, dh, HP, tmpv, HP);
+                for (int r = 0; r < R; r++)
+                    for (int p = 0; p < HP; p++)
+                        dXd[(j0 + r) * HP + p] = dXd[(j0 + r) * HP + p] + tmpv[r * HP + p];
+                MM(R, HP, Xd + j0 * HP, HP, 1, dhP, NS, dBd + j0 * NS, NS);
+                MM(R, HP, Xd + j0 * HP, HP, 1, dhP + HP, NS, dBd + j0 * NS + HP, NS);
+            }
+            for (int64_t j = 0; j < n; j++) {
+                const float dec = tmp[j], *dBj = dBd + j * NS;
+                float *dbs = c->dBst + ((t0 + j) * H + h) * NS;
+                tmp[j] = mb_dot(NS, dBj, 1, u + j * CD + di, 1) * dec;
+                for (int m = 0; m < NS; m++) dbs[m] = dBj[m] * dec;
             }
             for (int64_t j = 0; j < n; j++) {
                 dcs[j] = dcs[j] - tmp[j];
@@ -188,15 +181,8 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
         }
         /* gradient of the state entering the chunk */
         if (k > 0) {
-            for (int i = 0; i < NS * HP; i++) dhn[i] = 0.0f;
-            for (int64_t i = 0; i < n; i++) {
-                const float *Ci = u + i * CD + di + NS, *dyr = dyo + i * HP;
-                for (int m = 0; m < NS; m++) {
-                    const float cv = Ci[m];
-                    float *o = dhn + m * HP;
-                    for (int p = 0; p < HP; p++) o[p] = fmaf(cv, dyr[p], o[p]);
-                }
-            }
+            for (int m0 = 0; m0 < NS; m0 += TR)
+                MM(NS - m0 < TR ? NS - m0 : TR, n, u + di + NS + m0, 1, CD, dyo, HP, dhn + m0 * HP, HP);
             if (folded)
                 for (int i = 0; i < NS * HP; i++) dh[i] = fmaf(E, dh[i], dhn[i]);
             else
@@ -215,36 +201,35 @@ static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
     const float *u = c->a->u + t0 * CD;
     for (int64_t i = 0; i < n; i++) {
         float *o = dGs + i * CQ;
-        for (int64_t j = 0; j <= i; j++) o[j] = 0.0f;
+        for (int64_t j = 0; j < n; j++) o[j] = 0.0f; /* +0 past the diagonal: see ssd_bwd */
         for (int64_t h = 0; h < H; h++) {
             const float *g = c->dGh + ((t0 + i) * H + h) * CQ;
             for (int64_t j = 0; j <= i; j++) o[j] = o[j] + g[j];
         }
     }
-    for (int64_t i = 0; i < n; i++) {
-        float *dC = c->du + (t0 + i) * CD + di + NS;
-        for (int m = 0; m < NS; m++) dC[m] = 0.0f;
-        for (int64_t j = 0; j <= i; j++) {
-            const float gv = dGs[i * CQ + j], *Bj = u + j * CD + di;
-            for (int m = 0; m < NS; m++) dC[m] = fmaf(gv, Bj[m], dC[m]);
-        }
-        for (int64_t h = 0; h < H; h++) {
-            const float *p = c->dCoff + ((t0 + i) * H + h) * NS;
-            for (int m = 0; m < NS; m++) dC[m] = dC[m] + p[m];
-        }
-    }
-    for (int64_t j = 0; j < n; j++) {
-        float *dB = c->du + (t0 + j) * CD + di;
-        for (int m = 0; m < NS; m++) dB[m] = 0.0f;
-        for (int64_t i = j; i < n; i++) {
-            const float gv = dGs[i * CQ + j], *Ci = u + i * CD + di + NS;
-            for (int m = 0; m < NS; m++) dB[m] = fmaf(gv, Ci[m], dB[m]);
-        }
-        if (folded)
+    for (int64_t i0 = 0; i0 < n; i0 += TR) {
+        const int R = n - i0 < TR ? (int)(n - i0) : TR;
+        float *dC = c->du + (t0 + i0) * CD + di + NS;
+        MM(R, i0 + R, dGs + i0 * CQ, CQ, 1, u + di, CD, dC, CD);
+        MM(R, i0 + R, dGs + i0 * CQ, CQ, 1, u + di + HP, CD, dC + HP, CD);
+        for (int r = 0; r < R; r++)
             for (int64_t h = 0; h < H; h++) {
-                const float *p = c->dBst + ((t0 + j) * H + h) * NS;
-                for (int m = 0; m < NS; m++) dB[m] = dB[m] + p[m];
+                const float *p = c->dCoff + ((t0 + i0 + r) * H + h) * NS;
+                for (int m = 0; m < NS; m++) dC[r * CD + m] = dC[r * CD + m] + p[m];
             }
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += TR) {
+        const int R = n - j0 < TR ? (int)(n - j0) : TR;
+        const float *C0 = u + j0 * CD + di + NS;
+        float *dB = c->du + (t0 + j0) * CD + di;
+        MM(R, n - j0, dGs + j0 * CQ + j0, 1, CQ, C0, CD, dB, CD);
+        MM(R, n - j0, dGs + j0 * CQ + j0, 1, CQ, C0 + HP, CD, dB + HP, CD);
+        if (folded)
+            for (int r = 0; r < R; r++)
+                for (int64_t h = 0; h < H; h++) {
+                    const float *p = c->dBst + ((t0 + j0 + r) * H + h) * NS;
+                    for (int m = 0; m < NS; m++) dB[r * CD + m] = dB[r * CD + m] + p[m];
+                }
     }
 }
 

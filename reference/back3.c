@@ -15,7 +15,6 @@
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
-#include "ops.h"
 #include "grad.h"
 #include "fpenv.h"
 #include "block3.h"
@@ -39,13 +38,13 @@ enum {
     B_DHT = B_HPN + PV * NQK,    /* dh^T (NQK, PV) leaving the chunk */
     B_DHPN = B_DHT + NQK * PV,   /* dh (PV, NQK) */
     B_DHIN = B_DHPN + PV * NQK,  /* dh^T entering the chunk */
-    B_VEC = B_DHIN + NQK * PV,   /* eight QCAP vectors */
-    B_TOTAL = B_VEC + 8 * QCAP
+    B_VEC = B_DHIN + NQK * PV,   /* six QCAP vectors */
+    B_TOTAL = B_VEC + 6 * QCAP
 };
 
 typedef struct {
     m3_ctx c;
-    int64_t L, dm;
+    int64_t L;
     const float *dyg;   /* (M, di) gradient of the gated output */
     float *dzx;         /* (M, dip) gradient of in_proj's output */
     float *dQ, *dK;     /* (M, H, NQK) gradients of the biased, unrotated q and k */
@@ -388,7 +387,7 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     free(WoT);
 
     m3_bctx g = {{w, NULL, NULL, H, di, dip, 0, 0, zx, Bn, Cn, dt, sig, adt, ta, yg, ypre},
-                 L, dm, dyg, dzx, dQ, dK, dTA, dQKG};
+                 L, dyg, dzx, dQ, dK, dTA, dQKG};
     #pragma omp parallel if (B * H > 1)
     {
         mb_fpenv env = mb_fpenv_enter();

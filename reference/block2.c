@@ -31,7 +31,7 @@
 #define HP MB_M2_HP
 #define BUFROWS 256  /* rows of the state buffers */
 #define CQ MB_M2_Q
-#define TR 6         /* rows per register tile */
+#define TR MB_M2_TR   /* rows per register tile */
 #define GB 64        /* output rows per G task */
 #define CB 256       /* channels per conv task */
 
@@ -80,6 +80,12 @@ static void mm64(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
         }
     }
 #endif
+}
+
+void MB_ISA_FN(mb_m2_mm64)(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
+                           const float *b, int64_t ldb, float *out, int64_t ldo)
+{
+    mm64(R, K, a, sar, sak, b, ldb, out, ldo);
 }
 
 /* Continue one row's chains of mm64 over k in [k0, k1). */

@@ -23,6 +23,12 @@ typedef struct {
     float *zxd, *pre, *u, *G, *Y, *hck;
 } m2_acts;
 
+/* out[r * ldo + c] = dot v1 over k < K (<= 8192) of a[r * sar + k * sak] * b[k * ldb + c]
+ * for r < R <= MB_M2_TR and the 64 columns c: the SSD's register-tiled kernel. */
+#define MB_M2_TR 6
+void MB_ISA_FN(mb_m2_mm64)(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
+                           const float *b, int64_t ldb, float *out, int64_t ldo);
+
 int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
                           const mb_m2_state *st, float *y, const m2_acts *acts);
 

@@ -17,7 +17,8 @@ void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_
             int64_t p = t - (TAPS - 1) + k;
             row[k] = p >= 0 ? in + p * ldi : NULL;
         }
-        float *o = u + t * ldu, *po = pre ? pre + t * ldp : NULL;
+        /* the conv outputs land in pre (or in u itself), then silu maps them into u */
+        float *o = u + t * ldu, *po = pre ? pre + t * ldp : o;
         if (row[0]) {
             for (int64_t c = 0; c < C; c++) {
                 float acc = bias[c];
@@ -28,9 +29,7 @@ void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_
                     acc = fmaf(w[c * TAPS + k], row[k][c], acc);
 #endif
                 }
-                if (po)
-                    po[c] = acc;
-                o[c] = mb_silu(acc);
+                po[c] = acc;
             }
         } else {
             for (int64_t c = 0; c < C; c++) {
@@ -44,11 +43,11 @@ void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_
                     acc = fmaf(w[c * TAPS + k], v, acc);
 #endif
                 }
-                if (po)
-                    po[c] = acc;
-                o[c] = mb_silu(acc);
+                po[c] = acc;
             }
         }
+        for (int64_t c = 0; c < C; c++)
+            o[c] = mb_silu(po[c]);
     }
     /* Shift in place: slot j takes position len - 4 + j; a slot still inside the
      * old window reads a higher index than it writes, so ascending j is safe. */
