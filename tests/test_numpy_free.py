@@ -31,8 +31,10 @@ print("ok")
 """
 
 
-def test_library_runs_with_numpy_blocked():
-    res = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True)
+def test_library_runs_with_numpy_blocked(tmp_path):
+    # outside the source checkout, whose uninstalled mamba/ would shadow the package
+    res = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True,
+                         cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
 
 
