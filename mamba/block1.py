@@ -1,8 +1,7 @@
 """The Mamba-1 block (profile identical.mamba1.fp32.v1, SPEC section 5)."""
-from . import _core
 from .blocks import _Block, _State
 
-D_STATE, D_CONV, EXPAND = 16, 4, 2
+D_STATE, D_CONV = 16, 4
 PROFILE = "identical.mamba1.fp32.v1"
 
 
@@ -36,10 +35,6 @@ class Mamba1Block(_Block):
     _STATE = Mamba1State
     _KIND = "m1"
     profile = PROFILE
-
-    @property
-    def d_inner(self):
-        return EXPAND * self.d_model
 
     @property
     def dt_rank(self):

@@ -3,9 +3,9 @@ import array
 import math
 import operator
 
-from .blocks import _Block, _State
+from .blocks import _HeadedBlock, _State
 
-D_STATE, HEADDIM, D_CONV, CHUNK, EXPAND = 128, 64, 4, 256, 2
+D_STATE, HEADDIM, D_CONV, CHUNK = 128, 64, 4, 256
 PROFILE = "identical.mamba2.fp32.v1"
 
 
@@ -51,7 +51,7 @@ def _dt_limit(lim, what):
     return lo, hi
 
 
-class Mamba2Block(_Block):
+class Mamba2Block(_HeadedBlock):
     """One Mamba-2 (SSD) block: RMSNorm, SSD mixer, residual (HF Mamba2Block).
 
     weights: dict of float32 buffers under the upstream names, d_inner = 2 d_model,
@@ -82,19 +82,6 @@ class Mamba2Block(_Block):
                  backend="auto"):
         self._dt_lim = _dt_limit(dt_limit, type(self).__name__)
         super().__init__(weights, numeric_mode=numeric_mode, backend=backend)
-
-    def _check_d_model(self, what):
-        if self.d_model % (HEADDIM // EXPAND):
-            raise ValueError(f"mamba {what}: d_model must be a multiple of 32 (so that "
-                             f"H = 2 d_model / 64 heads is whole), got {self.d_model}")
-
-    @property
-    def d_inner(self):
-        return EXPAND * self.d_model
-
-    @property
-    def nheads(self):
-        return self.d_inner // HEADDIM
 
     @property
     def conv_dim(self):

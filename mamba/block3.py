@@ -2,9 +2,9 @@
 import operator
 
 from . import _core, _intake as chk
-from .blocks import _Block, _State
+from .blocks import _HeadedBlock, _State
 
-D_STATE, HEADDIM, N_ANGLES, CHUNK, EXPAND = 128, 64, 32, 64, 2
+D_STATE, HEADDIM, N_ANGLES, CHUNK = 128, 64, 32, 64
 PROFILE = "identical.mamba3.siso.fp32.v1"
 
 
@@ -85,7 +85,7 @@ class Mamba3State(_State):
         self.pending = True
 
 
-class Mamba3Block(_Block):
+class Mamba3Block(_HeadedBlock):
     """One Mamba-3 SISO block: RMSNorm, Mamba-3 mixer, residual (upstream Mamba3 with
     is_mimo=False, is_outproj_norm=False, inside the non-fused block).
 
@@ -111,19 +111,6 @@ class Mamba3Block(_Block):
     _KIND = "m3"
     profile = PROFILE
     h_last_ = k_last_ = v_last_ = theta_last_ = None
-
-    def _check_d_model(self, what):
-        if self.d_model % (HEADDIM // EXPAND):
-            raise ValueError(f"mamba {what}: d_model must be a multiple of 32 (so that "
-                             f"H = 2 d_model / 64 heads is whole), got {self.d_model}")
-
-    @property
-    def d_inner(self):
-        return EXPAND * self.d_model
-
-    @property
-    def nheads(self):
-        return self.d_inner // HEADDIM
 
     @property
     def d_in_proj(self):

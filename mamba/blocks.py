@@ -54,6 +54,11 @@ class _Block:
     def _check_d_model(self, what):
         pass
 
+    @property
+    def d_inner(self):
+        """Inner width: 2 * d_model (expand 2 in every profile)."""
+        return 2 * self.d_model
+
     # ------------------------------------------------------------- reporting
     def numeric_mode_used(self):
         """The numeric mode the block runs in ('identical' or 'fast')."""
@@ -182,6 +187,20 @@ class _Block:
         after load_state(); weight edits are not seen by an open session.
         """
         return DecodeSession(self, state)
+
+
+class _HeadedBlock(_Block):
+    """Mamba-2 and Mamba-3: heads of 64 channels, so d_model must be a multiple of 32."""
+    HEADDIM = 64
+
+    def _check_d_model(self, what):
+        if self.d_model % (self.HEADDIM // 2):
+            raise ValueError(f"mamba {what}: d_model must be a multiple of 32 (so that "
+                             f"H = 2 d_model / 64 heads is whole), got {self.d_model}")
+
+    @property
+    def nheads(self):
+        return self.d_inner // self.HEADDIM
 
 
 class DecodeSession:
