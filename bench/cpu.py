@@ -112,7 +112,7 @@ def backward_row(name, B, L, dm, reps):
     dy = rng.standard_normal((B, L, dm)).astype(np.float32)
     t_us = median_ms(lambda: (ours.forward(x), ours.backward(x, dy)), reps)
     who, make = BASELINE[name]
-    ref = make(w, dm).train()
+    ref = make(w, dm)  # eval mode: the same slow path as forward, with autograd
     xt = torch.from_numpy(x).requires_grad_(True)
     dyt = torch.from_numpy(dy)
 

@@ -8,9 +8,8 @@ stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit.
 
-Until a GPU run has passed the mamba2 and mamba3 identity and profile lanes, the
-backend does not offer these blocks (docs/cuda.md): MAMBA_CUDA_SSD=1 in the
-environment enables them.
+VALIDATED switches the two blocks on for this backend; with it False they are
+offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
 """
 import ctypes
 import os
@@ -22,7 +21,7 @@ M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
 MAX_GRID_Z = 65535
-VALIDATED = False  # True once a device run has passed the mamba2/mamba3 lanes
+VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
 def enabled():

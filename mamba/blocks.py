@@ -314,11 +314,9 @@ class DecodeSession:
 
 
 def _state_batch(block, state, what):
-    first = getattr(state, state._PIECES[0], None)
-    try:
-        shape = memoryview(first).shape if not isinstance(first, _core.Array) else first.shape
-    except TypeError:
-        raise TypeError(f"mamba {what}: state.{state._PIECES[0]} is not a float32 buffer") from None
+    # the intake reads host buffers and device arrays (torch.cuda, CuPy) alike
+    name = state._PIECES[0]
+    shape = chk.f32(getattr(state, name, None), what, f"state.{name}").shape
     if not shape:
         raise ValueError(f"mamba {what}: state.{state._PIECES[0]} has no batch dimension")
     return shape[0]
