@@ -9,9 +9,7 @@
  * dt_proj, x_proj, conv, in_proj and norm backward. */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
@@ -36,24 +34,6 @@ typedef struct {
 } sctx;
 
 typedef float tile[NS][CB];
-
-static int thread_num(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static int max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
 
 /* dh_t = fma(dA_{t+1}, dh_{t+1}, C_t[n] * dys_t) for t = t1 - 1 down to t0 of row b,
  * channels [c0, c0 + nc); (cA, cH) carry (dA, dh) of the token after, in place. With
@@ -247,7 +227,7 @@ static void scan_bwd(const sctx *c, tile *tscr)
     #pragma omp parallel if (par)
     {
         mb_fpenv env = mb_fpenv_enter();
-        tile *scr = tscr + 2 * TC * thread_num();
+        tile *scr = tscr + 2 * TC * mb_thread_num();
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * nblk; task++)
             reverse_row(c, task / nblk, task % nblk);
@@ -271,7 +251,7 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     const int64_t dm = w->d_model, di = 2 * dm, R = (dm + 15) / 16, XR = R + 2 * NS, M = B * L;
     const int64_t nch = (L + TC - 1) / TC, nblk = (di + CB - 1) / CB;
     const int64_t P = (M + LEAF - 1) / LEAF;
-    const int nth = max_threads();
+    const int nth = mb_max_threads();
     const int64_t sz[] = {
         M * dm, 2 * M * di, M * di, M * di, M * XR, M * di, M * di, /* the front's activations */
         NS * di, B * di * 4, di * dm,                               /* AT, window, out_proj^T */

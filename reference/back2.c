@@ -9,9 +9,7 @@
  * the weight gradients as folds over the tokens. */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
@@ -233,29 +231,11 @@ static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
     }
 }
 
-static int max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
-static int thread_num(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
                               const float *dy, const mb_m2_grads *gr)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
-    const int64_t M = B * L, nk = (L + CQ - 1) / CQ, nth = max_threads();
+    const int64_t M = B * L, nk = (L + CQ - 1) / CQ, nth = mb_max_threads();
     /* sizes of every buffer, in floats, in allocation order */
     const int64_t sz[] = {
         B * CD * TAPS, B * H * HP * NS, B * CQ * CD, B * CQ * H, /* fresh state */
@@ -334,7 +314,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     #pragma omp parallel if (B * H > 1)
     {
         mb_fpenv env = mb_fpenv_enter();
-        float *q = scr + thread_num() * bscr;
+        float *q = scr + mb_thread_num() * bscr;
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++)
             ssd_bwd(&c, task / H, task % H, q);

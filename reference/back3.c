@@ -9,9 +9,7 @@
  * A gradients. Cross-head sums (B, C, angles) and the weight folds come after. */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
@@ -351,10 +349,7 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV, M = B * L;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     const int64_t oB = 2 * di, oC = oB + NQK, oDT = oC + NQK, oANG = oDT + 3 * H;
-    int nth = 1;
-#ifdef _OPENMP
-    nth = omp_get_max_threads();
-#endif
+    int nth = mb_max_threads();
     const int64_t per = B_TOTAL + row_floats(L);
     /* xn, dxn (M dm), zx, dzx (M dip), Bn, Cn, dBn, dCn, Bxr, Cxr (M NQK), dt, sig, adt,
      * dQKG (M H), ta (M NA), yg, ypre, dyg (M di), dQ, dK (M H NQK), dTA (M H NA) */
@@ -391,10 +386,7 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     #pragma omp parallel if (B * H > 1)
     {
         mb_fpenv env = mb_fpenv_enter();
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mb_thread_num();
         float *s = scr + (int64_t)tid * per;
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++)

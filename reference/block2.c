@@ -13,9 +13,7 @@
  * gate, gated norm, out_proj, residual. */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
@@ -246,31 +244,13 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
 
 typedef struct { int64_t b, k, i0, i1; } g_task;
 
-static int max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
-static int thread_num(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 /* The forward; acts (NULL in plain calls) receives copies of the activations the
  * backward reads. */
 static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, const mb_m2_state *st, float *y, const m2_acts *acts)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
-    const int nth = max_threads();
+    const int nth = mb_max_threads();
     int64_t *ib = malloc((size_t)(4 * B + 3) * sizeof *ib);
     if (!ib)
         return MB_ENOMEM;
@@ -367,7 +347,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
     {
         mb_fpenv env = mb_fpenv_enter();
-        const ssd_scr q = scr_split(scr + (int64_t)thread_num() * SSD_SCRATCH);
+        const ssd_scr q = scr_split(scr + (int64_t)mb_thread_num() * SSD_SCRATCH);
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++)
             ssd_task(&c, w, st, task / H, task % H, &q);
@@ -439,7 +419,7 @@ int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const fl
 int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)
 {
     const int64_t di = 2 * w->d_model, H = di / HP, CD = di + 2 * NS;
-    float *scr = malloc((size_t)max_threads() * SSD_SCRATCH * sizeof(float));
+    float *scr = malloc((size_t)mb_max_threads() * SSD_SCRATCH * sizeof(float));
     if (!scr)
         return MB_ENOMEM;
     int64_t work = 0;
@@ -448,7 +428,7 @@ int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state
     #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
     {
         mb_fpenv env = mb_fpenv_enter();
-        const ssd_scr q = scr_split(scr + (int64_t)thread_num() * SSD_SCRATCH);
+        const ssd_scr q = scr_split(scr + (int64_t)mb_thread_num() * SSD_SCRATCH);
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++) {
             const int64_t b = task / H, h = task % H, n = st->buffered_tokens[b];

@@ -9,9 +9,7 @@
  * same arithmetic on the same rows. */
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "threads.h"
 #include "mamba_ref.h"
 #include "numerics.h"
 #include "gemm.h"
@@ -378,10 +376,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
-    int nth = 1;
-#ifdef _OPENMP
-    nth = omp_get_max_threads();
-#endif
+    int nth = mb_max_threads();
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
     float *scr = calloc((size_t)nth * S_TOTAL, sizeof(float)); /* finite scratch rows */
     if (!off || !scr) {
@@ -419,10 +414,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     #pragma omp parallel if (B * H > 1 && M * H > 64)
     {
         mb_fpenv env = mb_fpenv_enter();
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        int tid = mb_thread_num();
         float *s = scr + (int64_t)tid * S_TOTAL;
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++) {

@@ -9,12 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static int omp_get_max_threads(void) { return 1; }
-static int omp_get_thread_num(void) { return 0; }
-#endif
+#include "threads.h"
 #include "gemm.h"
 #include "fpenv.h"
 #if defined(__AVX2__) && defined(__FMA__)
@@ -171,13 +166,13 @@ static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     int64_t mb = (1 << 18) / kl / MR * MR;
     mb = mb < 96 ? 96 : mb > 384 ? 384 : mb;
     int64_t nmb = (M + mb - 1) / mb;
-    int par = M * N * K >= MIN_PAR, nt = par ? omp_get_max_threads() : 1;
+    int par = M * N * K >= MIN_PAR, nt = par ? mb_max_threads() : 1;
     float *scratch = aligned_alloc(64, (size_t)(nt * NR * K) * sizeof(float));
     if (!scratch) return 0;
 #pragma omp parallel num_threads(nt) if (par)
     {
         mb_fpenv fe = mb_fpenv_enter();
-        float *wp = scratch + omp_get_thread_num() * NR * K;
+        float *wp = scratch + mb_thread_num() * NR * K;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < nmb * np; task++) {
             int64_t p = task % np, m0 = task / np * mb, m1 = m0 + mb < M ? m0 + mb : M;

@@ -1,8 +1,5 @@
 /* Backward building blocks shared by the blocks (grad.h). */
 #include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "numerics.h"
 #include "ops.h"
 #include "grad.h"
