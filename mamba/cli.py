@@ -1,32 +1,12 @@
 """python -m mamba [run|check|bench|info]: the demo job, the cross-check of every
 identity lane on every backend, timings, and the backend listing."""
 import argparse
-import random
 import sys
 import time
 
 import mamba
 from . import _backends, _core
-
-
-def _random_input(shape, seed):
-    rng = random.Random(seed)
-    x = _core.empty(shape)
-    mv = memoryview(x).cast("B").cast("f")
-    for i in range(x.size):
-        mv[i] = rng.gauss(0.0, 1.0)
-    return x
-
-
-def _token(x, t):
-    """Token t of every row of x (B, L, D) as a (B, 1, D) Array."""
-    B, L, D = x.shape
-    out = _core.empty((B, 1, D))
-    src = memoryview(x).cast("B")
-    dst = memoryview(out).cast("B")
-    for b in range(B):
-        dst[4 * b * D:4 * (b + 1) * D] = src[4 * (b * L + t) * D:4 * (b * L + t + 1) * D]
-    return out
+from ._lanes import _rand as _random_input, _tslice
 
 
 _CLASSES = {"mamba1": mamba.Mamba1Block, "mamba2": mamba.Mamba2Block,
@@ -48,7 +28,7 @@ def cmd_run(args):
     t0 = time.perf_counter()
     with block.decode_session(state) as session:
         for t in range(args.length):
-            yt = memoryview(session.step(_token(x, t))).cast("B")
+            yt = memoryview(session.step(_tslice(x, t, t + 1))).cast("B")
             for b in range(args.batch):
                 row = ybytes[4 * (b * args.length + t) * D:4 * (b * args.length + t + 1) * D]
                 same &= yt[4 * b * D:4 * (b + 1) * D] == row
@@ -128,7 +108,7 @@ def cmd_bench(args):
     t = _timed("forward", args.repeat, lambda: block.forward(x))
     rows.append(("forward", t[len(t) // 2], B * L))
     state = block.allocate_state(B)
-    tok = _token(x, 0)
+    tok = _tslice(x, 0, 1)
     with block.decode_session(state) as session:
         session.step(tok)
         t = _timed("decode", args.tokens, lambda: session.step(tok))
