@@ -119,9 +119,7 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
         mb_fpenv_exit(env);
     }
 
-    MB_ISA_FN(mb_gemm)(M, dm, di, yi, di, w->out_proj, di, xn, dm);
-    for (int64_t i = 0; i < M * dm; i++)
-        ys[i] = xs[i] + xn[i];
+    MB_ISA_FN(mb_out_residual)(M, dm, di, yi, w->out_proj, xs, xn, ys);
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
     free(buf);

@@ -393,9 +393,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         mb_fpenv_exit(env);
     }
     MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
-    MB_ISA_FN(mb_gemm)(M, dm, di, yb, di, w->out_proj, di, xn, dm);
-    for (int64_t i = 0; i < M * dm; i++)
-        ys[i] = xs[i] + xn[i];
+    MB_ISA_FN(mb_out_residual)(M, dm, di, yb, w->out_proj, xs, xn, ys);
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
     free(gt);

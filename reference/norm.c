@@ -1,6 +1,7 @@
-/* RMSNorm (SPEC 5 step 1): ss = dot(x, x); r = rsqrt(ss / n + eps); (x * r) * w. */
+/* RMSNorm (SPEC 5 step 1) and the block tail shared by every block. */
 #include "numerics.h"
 #include "ops.h"
+#include "gemm.h"
 #include "fpenv.h"
 
 void MB_ISA_FN(mb_rmsnorm_rows)(int64_t M, int64_t n, const float *x, int64_t ldx,
@@ -20,4 +21,12 @@ void MB_ISA_FN(mb_rmsnorm_rows)(int64_t M, int64_t n, const float *x, int64_t ld
         }
         mb_fpenv_exit(env);
     }
+}
+
+void MB_ISA_FN(mb_out_residual)(int64_t M, int64_t dm, int64_t di, const float *y,
+                                const float *W, const float *x, float *scratch, float *out)
+{
+    MB_ISA_FN(mb_gemm)(M, dm, di, y, di, W, di, scratch, dm);
+    for (int64_t i = 0; i < M * dm; i++)
+        out[i] = x[i] + scratch[i];
 }

@@ -24,6 +24,11 @@ void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_
                                  float *window, const float *w, const float *bias,
                                  float *pre, int64_t ldp, float *u, int64_t ldu);
 
+/* The block tail: out = x + y . W^T (out_proj under dot v1, then the residual), for
+ * M tokens; scratch holds M * dm floats. */
+void MB_ISA_FN(mb_out_residual)(int64_t M, int64_t dm, int64_t di, const float *y,
+                                const float *W, const float *x, float *scratch, float *out);
+
 /* Token bookkeeping for ragged batches: off[b] is row b's first token in the
  * packed (sum of lengths, ...) layout; off[B] is the total. */
 int64_t mb_row_offsets(int64_t B, int64_t L, const int64_t *lengths, int64_t *off);
