@@ -1,12 +1,14 @@
-"""Mamba-1 on the CUDA backend: forward at W2 = (B 8, L 4096, d_model 1024) in both
-numeric modes, the projections' GEMMs against cuBLAS, and the decode-session step at
-d_model 1024, batch 1 and 32, device arrays in and out (torch.cuda tensors). Times are
-CUDA-event medians after warm-up; a session step is timed two ways: the wall time of
-sess.step in a Python loop (host included, no sync per step) and the device time of
-its CUDA graph replayed back to back. mamba-ssm is not installed on the GPU machine
-(it would have to travel as a wheel), so no comparison with it is made here.
+"""The three blocks on the CUDA backend, side by side with mamba-ssm 2.3.2.post1's own
+kernels (bench/upstream.py) on the same weights, device arrays in and out
+(torch.cuda tensors): forward at W1 = (B 1, L 2048, d_model 384), W2 = (8, 4096,
+1024) and W3 = (1, 16384, 2048) in both numeric modes (upstream with TF32 off and
+on; upstream's W1 as a CUDA graph), the peak transient device memory of one forward,
+forward + backward at W2 (upstream through torch autograd), the projections' GEMMs
+against cuBLAS, and decode-session steps at d_model 1024, batch 1 and 32. Times are
+CUDA-event medians after warm-up.
 
-    python bench/gpu.py [--json PATH]
+    python bench/gpu.py [--upstream mamba_ssm-2.3.2.post1.tar.gz] [--work DIR]
+                        [--only forward,train,gemm,decode] [--json PATH]
 """
 import argparse
 import json
@@ -16,6 +18,7 @@ import time
 import torch
 
 import mamba
+import upstream
 from mamba import _backends, _core
 
 CEILING = 51.0  # TFLOP/s, fp32 FFMA
@@ -61,29 +64,9 @@ def gemm_rate(be, M, N, K):
     return out
 
 
-def decode_gemv_us(be, M, N, K, fast, reps=20):
-    """Device us of one decode projection: reps launches captured in a graph and
-    replayed (so launch gaps are those of a graph, as in a session step)."""
-    cu = be.cu
-    X = torch.randn(M, K, device="cuda")
-    W = torch.randn(N, K, device="cuda")
-    Y = torch.empty(M, N, device="cuda")
-    cs = be._capture_stream()
-    cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-    for _ in range(reps):
-        be.gemm(cs, M, N, K, X.data_ptr(), K, W.data_ptr(), K, Y.data_ptr(), N, fast=fast)
-    graph = cu.cuStreamEndCapture(cs)[1]
-    exe = cu.cuGraphInstantiate(graph, 0)[1]
-    s = be.stream().cu
-    us = events_ms(lambda: cu.cuGraphLaunch(exe, s)) / reps * 1e3
-    cu.cuGraphExecDestroy(exe)
-    cu.cuGraphDestroy(graph)
-    return us
-
-
 def session_rates(blk, B, dm, n=300):
-    """Wall us per sess.step (Python loop, device x, no sync per step) and device us
-    per replay of the step's graph."""
+    """Wall us per sess.step (Python loop, device x, no sync per step) and, where the
+    step is a CUDA graph, device us per replay of it."""
     be = blk._backend
     st = blk.allocate_state(B)
     xs = [torch.randn(B, 1, dm, device="cuda") for _ in range(4)]
@@ -98,23 +81,23 @@ def session_rates(blk, B, dm, n=300):
         torch.cuda.synchronize()
         out["wall_us"] = (time.perf_counter() - t0) / n * 1e6
         run = sess._run
-        s = be.stream().cu
-        # the host side of a step: taking the torch tensor in (DLPack), then the rest
-        t0 = time.perf_counter()
-        for i in range(n):
-            a = _core.intake(xs[i % 4], "bench", "x")
-        out["host_intake_us"] = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(n):
-            y = run.step(a, "bench")
-        torch.cuda.synchronize()
-        out["host_runner_us"] = (time.perf_counter() - t0) / n * 1e6
+        if run is not None:  # the step is a CUDA graph: its host and device parts
+            t0 = time.perf_counter()
+            for i in range(n):
+                a = _core.intake(xs[i % 4], "bench", "x")
+            out["host_intake_us"] = (time.perf_counter() - t0) / n * 1e6
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                y = run.step(a, "bench")
+            torch.cuda.synchronize()
+            out["host_runner_us"] = (time.perf_counter() - t0) / n * 1e6
+            s = be.stream().cu
 
-        def replay():
-            for _ in range(n):
-                be.cu.cuGraphLaunch(run.exec, s)
-        out["graph_us"] = events_ms(replay) / n * 1e3
+            def replay():
+                for _ in range(n):
+                    be.cu.cuGraphLaunch(run.exec, s)
+            out["graph_us"] = events_ms(replay) / n * 1e3
         out["kernels_ms"] = kernel_table(lambda: sess.step(xs[0]))
     del y
     return out
@@ -138,70 +121,180 @@ def kernel_table(fn):
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+SHAPES = {"W1": (1, 2048, 384), "W2": (8, 4096, 1024), "W3": (1, 16384, 2048)}
+KINDS = ("mamba1", "mamba2", "mamba3")
+CLASSES = {"mamba1": mamba.Mamba1Block, "mamba2": mamba.Mamba2Block, "mamba3": mamba.Mamba3Block}
+
+
+def pool_peak_mib(be, fn):
+    """Peak bytes taken from our stream-ordered pool while fn runs (outputs and
+    scratch; the weights are plain allocations made earlier), MiB."""
+    cu, attr = be.cu, be.cu.CUmemPool_attribute
+    torch.cuda.synchronize()
+    used = int(cu.cuMemPoolGetAttribute(be.pool, attr.CU_MEMPOOL_ATTR_USED_MEM_CURRENT)[1])
+    cu.cuMemPoolSetAttribute(be.pool, attr.CU_MEMPOOL_ATTR_USED_MEM_HIGH, cu.cuuint64_t(0))
+    keep = fn()
+    torch.cuda.synchronize()
+    high = int(cu.cuMemPoolGetAttribute(be.pool, attr.CU_MEMPOOL_ATTR_USED_MEM_HIGH)[1])
+    del keep
+    return (high - used) / 2**20
+
+
+def torch_peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    keep = fn()
+    torch.cuda.synchronize()
+    del keep
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def graph_ms(fn):
+    """Device ms of fn replayed as a CUDA graph (captured after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return events_ms(g.replay, reps=20)
+
+
+def forward_rows(be, res, kinds, shapes, upstream_ok):
+    for kind in kinds:
+        for wname, (B, L, dm) in shapes.items():
+            w = mamba.random_weights(kind, dm, seed=0)
+            x = torch.randn(B, L, dm, device="cuda")
+            row = res.setdefault("forward", {}).setdefault(kind, {}).setdefault(wname, {})
+            for mode in ("identical", "fast"):
+                blk = CLASSES[kind](w, numeric_mode=mode, backend="cuda")
+                row[mode + "_ms"] = events_ms(lambda: blk.forward(x))
+                row[mode + "_peak_mib"] = pool_peak_mib(be, lambda: blk.forward(x))
+                if wname == "W2":
+                    row[mode + "_kernels_ms"] = kernel_table(lambda: blk.forward(x))
+                del blk
+            if upstream_ok:
+                ub = upstream.Block(kind, w, dm)
+                row["upstream_loaded"] = ub.loaded
+                with torch.no_grad():
+                    for tf32 in (False, True):
+                        torch.backends.cuda.matmul.allow_tf32 = tf32
+                        key = "upstream_tf32_" + ("on" if tf32 else "off")
+                        row[key + "_ms"] = graph_ms(lambda: ub(x)) if wname == "W1" else \
+                            events_ms(lambda: ub(x))
+                        if not tf32:
+                            row["upstream_peak_mib"] = torch_peak_mib(lambda: ub(x))
+                torch.backends.cuda.matmul.allow_tf32 = False
+                del ub
+            print(f"forward {kind} {wname}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+            torch.cuda.empty_cache()
+
+
+def train_rows(be, res, kinds, upstream_ok):
+    """Forward + backward at W2: ours (forward, then backward, which recomputes the
+    forward inside) and upstream's through torch autograd, TF32 off."""
+    B, L, dm = SHAPES["W2"]
+    for kind in kinds:
+        w = mamba.random_weights(kind, dm, seed=0)
+        x = torch.randn(B, L, dm, device="cuda")
+        dy = torch.randn(B, L, dm, device="cuda")
+        row = res.setdefault("train", {}).setdefault(kind, {})
+        blk = CLASSES[kind](w, backend="cuda")
+        if hasattr(be, kind[:1] + kind[-1:] + "_backward"):
+            def ours():
+                y = blk.forward(x)
+                return y, blk.backward(x, dy)
+            row["ours_ms"] = events_ms(ours, warm=1, reps=3)
+            row["ours_peak_mib"] = pool_peak_mib(be, ours)
+        if upstream_ok:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ub = upstream.Block(kind, w, dm)
+            xr = x.clone().requires_grad_(True)
+
+            def theirs():
+                y = ub(xr)
+                y.backward(dy)
+                return y
+            row["upstream_ms"] = events_ms(theirs, warm=1, reps=3)
+            row["upstream_peak_mib"] = torch_peak_mib(theirs)
+            del ub, xr
+        print(f"train {kind} W2: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
+              flush=True)
+        del blk
+        torch.cuda.empty_cache()
+
+
+def gemm_rows(be, res):
+    B, L, dm = SHAPES["W2"]
+    M, di, R = B * L, 2 * dm, -(-dm // 16)
+    for name, (m, n, k) in {"in_proj": (M, 2 * di, dm), "out_proj": (M, dm, di),
+                            "x_proj": (M, R + 32, di)}.items():
+        g = res.setdefault("gemm", {})[name] = gemm_rate(be, m, n, k)
+        print(f"gemm {name:9s} dot-v1 {g['ms']:.2f} ms {g['tflops']:.1f} TFLOP/s "
+              f"({100 * g['of_ceiling']:.0f}% of {CEILING:.0f}); cuBLAS SGEMM "
+              f"{g['cublas_tflops']:.1f}; TF32 ours {g['fast_tflops']:.1f}, cuBLAS "
+              f"{g['cublas_tf32_tflops']:.1f}", flush=True)
+
+
+def decode_rows(res, kinds):
+    dm = 1024
+    for kind in kinds:
+        w = mamba.random_weights(kind, dm, seed=0)
+        for mode in ("identical", "fast"):
+            blk = CLASSES[kind](w, numeric_mode=mode, backend="cuda")
+            for b in (1, 32):
+                r = session_rates(blk, b, dm)
+                res.setdefault("decode", {}).setdefault(kind, {})[f"{mode}_B{b}"] = r
+                print(f"session {kind} {mode:9s} B {b:2d}: {r['wall_us']:.1f} us wall per "
+                      f"step" + (f", {r['graph_us']:.1f} us per graph replay"
+                                 if "graph_us" in r else "") + "; kernels (ms): " + ", ".join(
+                          f"{k} {v:.4f}" for k, v in list(r["kernels_ms"].items())[:6]),
+                      flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--upstream", help="mamba-ssm 2.3.2.post1 sdist or source tree")
+    p.add_argument("--work", default="/tmp/mamba_bench")
+    p.add_argument("--only", default="forward,train,gemm,decode")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--json")
     args = p.parse_args()
     be = _backends._get("cuda")[0]
     if be is None:
         raise SystemExit(f"no usable CUDA backend: {mamba.backends()['cuda'][1]}")
     torch.backends.cuda.matmul.allow_tf32 = False
-    B, L, dm = 8, 4096, 1024
-    di, R = 2 * dm, -(-dm // 16)
-    M = B * L
-    res = {"device": be.description, "shape": [B, L, dm]}
-    w = mamba.random_weights("mamba1", dm, seed=0)
-    blocks = {mode: mamba.Mamba1Block(w, numeric_mode=mode, backend="cuda")
-              for mode in ("identical", "fast")}
-    x = torch.randn(B, L, dm, device="cuda")
-    flop = 2.0 * M * (dm * 2 * di + di * (R + 32) + R * di + di * dm)
-    for mode, blk in blocks.items():
-        ms = events_ms(lambda: blk.forward(x))
-        res[f"forward_{mode}"] = {"ms": ms, "tokens_per_s": M / ms * 1e3,
-                                  "gemm_tflops": flop / ms / 1e9,
-                                  "kernels_ms": kernel_table(lambda: blk.forward(x))}
-    for name, (m, n, k) in {"in_proj": (M, 2 * di, dm), "out_proj": (M, dm, di),
-                            "x_proj": (M, R + 32, di)}.items():
-        res[f"gemm_{name}"] = gemm_rate(be, m, n, k)
-    shapes = {"in_proj": (2 * di, dm), "x_proj": (R + 32, di), "dt_proj": (di, R),
-              "out_proj": (dm, di)}
-    for mode in blocks:
-        for b in (1, 32):
-            res[f"decode_gemv_{mode}_B{b}"] = {
-                name: decode_gemv_us(be, b, n, k, mode == "fast") for name, (n, k) in shapes.items()}
-    for mode, blk in blocks.items():
-        for b in (1, 32):
-            res[f"session_{mode}_B{b}"] = session_rates(blk, b, dm)
-    res["mamba_ssm"] = "not installed on the GPU machine; no comparison made"
-
-    print(f"device            {res['device']}")
-    for mode in blocks:
-        f = res[f"forward_{mode}"]
-        print(f"forward W2 {mode:9s} {f['ms']:.2f} ms ({f['tokens_per_s']:.0f} tokens/s, GEMM "
-              f"flops at {f['gemm_tflops']:.1f} TFLOP/s over the forward)")
-    for name in ("in_proj", "out_proj", "x_proj"):
-        g = res[f"gemm_{name}"]
-        print(f"gemm {name:9s} dot-v1 {g['ms']:.2f} ms {g['tflops']:.1f} TFLOP/s "
-              f"({100 * g['of_ceiling']:.0f}% of {CEILING:.0f}); cuBLAS SGEMM {g['cublas_tflops']:.1f}; "
-              f"TF32 ours {g['fast_tflops']:.1f}, cuBLAS {g['cublas_tf32_tflops']:.1f}")
-    for mode in blocks:
-        for b in (1, 32):
-            r = res[f"session_{mode}_B{b}"]
-            print(f"session {mode:9s} B {b:2d}: {r['wall_us']:.1f} us wall per step, "
-                  f"{r['graph_us']:.1f} us per graph replay; host: intake {r['host_intake_us']:.1f} "
-                  f"us, the rest of a step {r['host_runner_us']:.1f} us")
-    for mode in blocks:
-        for b in (1, 32):
-            g = res[f"decode_gemv_{mode}_B{b}"]
-            print(f"decode GEMVs {mode:9s} B {b:2d} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in g.items()))
-    for key in ("forward_identical", "forward_fast", "session_identical_B1", "session_fast_B1",
-                "session_identical_B32", "session_fast_B32"):
-        print(f"{key} kernels (ms): " + ", ".join(
-            f"{k} {v:.4f}" for k, v in list(res[key]["kernels_ms"].items())[:10]))
-    print(f"mamba-ssm         {res['mamba_ssm']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    res = {"device": be.description}
+    up = False
+    if args.upstream:
+        try:
+            res["upstream"] = upstream.load(args.upstream, args.work).__version__
+            up = True
+        except Exception as e:  # report and go on with our rows
+            res["upstream"] = f"not loaded: {type(e).__name__}: {e}"
+    print(f"device   {res['device']}\nupstream {res.get('upstream', 'not asked for')}",
+          flush=True)
+    kinds, only = args.kinds.split(","), args.only.split(",")
+    shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
+    try:
+        if "forward" in only:
+            forward_rows(be, res, kinds, shapes, up)
+        if "train" in only:
+            train_rows(be, res, kinds, up)
+        if "gemm" in only:
+            gemm_rows(be, res)
+        if "decode" in only:
+            decode_rows(res, kinds)
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

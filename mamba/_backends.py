@@ -41,7 +41,8 @@ class CpuBackend:
         _host_only([dy], "grad_output")
         _core.m1_backward(w, d_model, x, dy, gx, tuple(gw))
 
-    def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths):
+    def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
+                   fast=False):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m2_forward(w, d_model, dt_limit[0], dt_limit[1], x, tuple(pieces),
@@ -65,7 +66,8 @@ class CpuBackend:
         _host_only([dy], "grad_output")
         _core.m2_backward(w, d_model, dt_limit[0], dt_limit[1], x, dy, gx, tuple(gw))
 
-    def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
+    def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
+                   fast=False):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,

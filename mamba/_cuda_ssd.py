@@ -6,7 +6,8 @@ chunks (descriptors of ssd.cu), the device gathers it into "ext" arrays, compute
 every chunk in parallel, runs the state pass serially over each row's chunks, and
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
-change a bit.
+change a bit. In fast mode the projections run on TF32 tensor cores and the norms
+and the conv on the fast kernels; the chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -93,7 +94,7 @@ class SsdMixin:
     def _rows_grid(self, n, B):
         return (self._grid(n), min(B, 65535))
 
-    def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts):
+    def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast):
         """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows."""
         C = self._ssd_fn()
         M = I["M"]
@@ -104,19 +105,20 @@ class SsdMixin:
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
                          B, L, dm, I["off"], xd, xs)
         xn, zx = sc(M * dm), sc(M * NP)
-        self._rmsnorm(s, False, M, dm, xs, norm_w, xn, I["r"])
-        self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts)
+        self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
+        self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts, fast)
         return xd, xn, zx
 
-    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts):
+    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast):
         """out_proj and the residual into the padded output."""
         C = self._ssd_fn()
-        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts)
+        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), C.THREADS,
                      B, L, dm, I["off"], xd, xn, yd, 0)
 
     # ---------------------------------------------------------------- Mamba-2
-    def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths):
+    def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
+                    fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k", "mb_m2_gate_k")
         self._enter()
@@ -137,11 +139,13 @@ class SsdMixin:
             yd = y.ptr if y.device == self.name else sc(B * L * dm)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
-            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts)
+            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
+                                     fast)
             # conv + silu over xBC, then the ext rows: buffered ones, then new ones
             unew, U, DTR = sc(M * CD), sc(E * CD), sc(E * H)
             xbc = zx + 4 * di
-            self._launch(s, "mb_conv_silu_k", self._rows_grid(L * CD, B), C.THREADS,
+            conv = "mb_fast_conv_silu_k" if fast else "mb_conv_silu_k"
+            self._launch(s, conv, self._rows_grid(L * CD, B), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw, conv_w, conv_b, unew, CD)
             self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw)
@@ -172,7 +176,7 @@ class SsdMixin:
             # gate before the norm, the gated norm, out_proj, residual
             self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
             gn = sc(M * di)
-            self._rmsnorm(s, False, M, di, yg, gnorm_w, gn, I["r"])
+            self._rmsnorm(s, fast, M, di, yg, gnorm_w, gn, I["r"])
             self._back(s, B, L, dm, di, M, I, gn, out_proj, xd, xn, yd, parts)
             if y.device == "cpu":
                 back.append((y, yd))
@@ -212,7 +216,8 @@ class SsdMixin:
         return out
 
     # ---------------------------------------------------------------- Mamba-3
-    def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths):
+    def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
+                    fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k",
                      "mb_m3_y_k", "mb_m3_last_k")
@@ -242,13 +247,14 @@ class SsdMixin:
             yd = y.ptr if y.device == self.name else sc(B * L * dm)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
-            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts)
+            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
+                                     fast)
             # B and C RMSNorm over N (each gathered into its own rows first)
             Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
             for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * NS, B), C.THREADS,
                              B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
-                self._rmsnorm(s, False, M, NS, raw, wn, out, I["r"])
+                self._rmsnorm(s, fast, M, NS, raw, wn, out, I["r"])
             # ext rows: the working chunk's from the state, then the new tokens'
             Q, K, V = sc(E * H * NS), sc(E * H * NS), sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
@@ -287,7 +293,7 @@ class SsdMixin:
             for buf, ext, W in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["store"], M3_Q, W, ext, buf)
-            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts)
+            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
             if y.device == "cpu":
                 back.append((y, yd))
             self._finish(st, back)

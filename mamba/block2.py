@@ -131,7 +131,8 @@ class Mamba2Block(_HeadedBlock):
     def _kernel(self, w, x, pieces, state, y, lengths):
         be = self._backend
         counts = be.m2_forward(w, self.d_model, self.dt_limit, x, pieces,
-                               operator.index(state.buffered_tokens), y, lengths)
+                               operator.index(state.buffered_tokens), y, lengths,
+                               fast=self.numeric_mode == "fast")
         if lengths is None:
             state.buffered_tokens = counts[0]
         # h_last_ is a function of the state after the call: keep copies of what it

@@ -160,7 +160,8 @@ class Mamba3Block(_HeadedBlock):
         shapes = ((B, H, HEADDIM, D_STATE), (B, H, D_STATE), (B, H, HEADDIM), (B, H, N_ANGLES))
         reports = tuple(be.empty(s, like=pieces[1]) for s in shapes)
         n = be.m3_forward(w, self.d_model, x, pieces, operator.index(state.buffered_tokens),
-                          bool(state.pending), y, reports, lengths)
+                          bool(state.pending), y, reports, lengths,
+                          fast=self.numeric_mode == "fast")
         state.buffered_tokens = n
         state.pending = False
         self.h_last_, self.k_last_, self.v_last_, self.theta_last_ = reports

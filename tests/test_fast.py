@@ -1,17 +1,20 @@
 """numeric_mode="fast" (SPEC 3): accuracy, never bits. Every output's relative L2
-error against the float64 oracle is at most 2e-3, on every usable backend, for
-prefill (the tensor-core path), a short prefill (the decode kernels), steps and a
-decode session. The mixer's part of the output (y - x) is held to the same bound,
+error against the float64 oracle is at most 2e-3, on every usable backend and for every
+block, for prefill (the tensor-core path), a short prefill (the decode kernels), steps
+and a decode session. The mixer's part of the output (y - x) is held to the same bound,
 which is far stricter than y's: the residual x is exact."""
 import numpy as np
 import pytest
 
 import mamba
-from mamba._oracle64 import oracle1
-from blocks import gpu_backends
+from mamba._oracle64 import oracle1, oracle2, oracle3
+from blocks import BLOCKS, gpu_backends
 
 BOUND = 2e-3
 DM = 256
+ORACLES = {"mamba1": oracle1.forward, "mamba2": oracle2.forward, "mamba3": oracle3.forward}
+SANE = {"mamba3": oracle3.sane}  # the weights test_oracle compares Mamba-3 on
+CASES = [(name, be) for name in BLOCKS for be in ["cpu"] + gpu_backends(name)]
 BACKENDS = ["cpu"] + gpu_backends("mamba1")
 
 
@@ -27,35 +30,40 @@ def check(y, x, want, what):
     assert e <= BOUND, f"{what}: mixer error {e:.2e}"
 
 
-@pytest.fixture(scope="module")
-def weights():
-    return mamba.random_weights("mamba1", DM, seed=5)
+def weights(name):
+    w = mamba.random_weights(name, DM, seed=5)
+    return SANE.get(name, dict)(w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def oracle(name, w, x):
+    return ORACLES[name]({k: np.asarray(v, np.float64) for k, v in w.items()},
+                         x.astype(np.float64))
+
+
+@pytest.mark.parametrize("name,backend", CASES)
 @pytest.mark.parametrize("B,L", [(2, 80), (1, 30)])
-def test_fast_forward_within_bound(weights, backend, B, L):
-    blk = mamba.Mamba1Block(weights, numeric_mode="fast", backend=backend)
+def test_fast_forward_within_bound(name, backend, B, L):
+    w = weights(name)
+    blk = BLOCKS[name]["cls"](w, numeric_mode="fast", backend=backend)
     assert blk.numeric_mode_used() == "fast"
     x = np.random.default_rng(L).standard_normal((B, L, DM)).astype(np.float32)
-    want = oracle1.forward({k: np.asarray(v, np.float64) for k, v in weights.items()},
-                           x.astype(np.float64))
     y = blk.forward(x)
-    check(y, x, want, f"forward {backend} {(B, L)}")
+    check(y, x, oracle(name, w, x), f"{name} forward {backend} {(B, L)}")
     if backend != "cpu":  # the fast kernels ran, not the identical ones
-        assert bytes(memoryview(y)) != bytes(memoryview(mamba.Mamba1Block(
-            weights, backend=backend).forward(x)))
+        assert bytes(memoryview(y)) != bytes(memoryview(BLOCKS[name]["cls"](
+            w, backend=backend).forward(x)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fast_decode_within_bound(weights, backend):
-    """Prefill 40 tokens, then 8 steps and 8 session steps, against the oracle's
-    one prefill of all 56."""
-    B, P, T = 2, 40, 56
-    blk = mamba.Mamba1Block(weights, numeric_mode="fast", backend=backend)
+@pytest.mark.parametrize("name,backend", CASES)
+def test_fast_decode_within_bound(name, backend):
+    """Prefill 40 tokens, then 8 steps and 8 session steps (through Mamba-3's chunk
+    boundary at 64 when the prefill is 60), against the oracle's one prefill."""
+    B, P = 2, 60 if name == "mamba3" else 40
+    T = P + 16
+    w = weights(name)
+    blk = BLOCKS[name]["cls"](w, numeric_mode="fast", backend=backend)
     x = np.random.default_rng(7).standard_normal((B, T, DM)).astype(np.float32)
-    want = oracle1.forward({k: np.asarray(v, np.float64) for k, v in weights.items()},
-                           x.astype(np.float64))
+    want = oracle(name, w, x)
     st = blk.allocate_state(B)
     ys = [np.asarray(blk.forward(np.ascontiguousarray(x[:, :P]), st))]
     for t in range(P, P + 8):
@@ -64,8 +72,8 @@ def test_fast_decode_within_bound(weights, backend):
         for t in range(P + 8, T):
             ys.append(np.asarray(sess.step(np.ascontiguousarray(x[:, t:t + 1]))))
     y = np.concatenate(ys, axis=1)
-    check(y[:, P:P + 8], x[:, P:P + 8], want[:, P:P + 8], f"steps {backend}")
-    check(y[:, P + 8:], x[:, P + 8:], want[:, P + 8:], f"session {backend}")
+    check(y[:, P:P + 8], x[:, P:P + 8], want[:, P:P + 8], f"{name} steps {backend}")
+    check(y[:, P + 8:], x[:, P + 8:], want[:, P + 8:], f"{name} session {backend}")
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "cuda"])
