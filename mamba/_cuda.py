@@ -22,6 +22,7 @@ import importlib.resources
 import threading
 
 from . import _core
+from . import _cuda_grad
 from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
@@ -249,7 +250,7 @@ def _ptr(a):
     return a.ptr if isinstance(a, _core.Array) else a
 
 
-class CudaBackend(_cuda_ssd.SsdMixin):
+class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin):
     """Mamba blocks on device 0. Weights are uploaded once per block; host inputs
     give host outputs, device inputs give device outputs."""
     name = "cuda"

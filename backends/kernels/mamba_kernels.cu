@@ -11,3 +11,4 @@
 #include "fast.cu"
 #include "ssd2.cu"
 #include "ssd3.cu"
+#include "grad.cu"

@@ -1,0 +1,217 @@
+/* Building blocks of the backward passes, the GPU twins of reference/grad.c (and of
+ * the conv's pre-activation output of reference/conv.c). Every reduction is dot v1
+ * (SPEC 4.4): one thread walks one chain, in the reference's order, from +0; a
+ * reduction longer than 8192 terms is cut into leaves that separate threads walk,
+ * joined afterwards by mb_dot_fold_k (gemm.cu) with mb_dot's tree. Threads split
+ * outputs, rows or leaves, never a chain, so grid shapes change no bit.
+ * mamba/_cuda_grad.py launches these kernels; its docstring gives each contract. */
+#include "vendor.h"
+#include "numerics.h"
+#include "ops.h"
+
+#define GR_TILE 32     /* transpose tile */
+#define GR_ROWS 32     /* rows per block of the RMSNorm backward */
+#define GR_KC 64       /* columns per shared-memory stage of it (divides 8192) */
+#define GR_THREADS 128
+#define TAPS 4
+
+/* silu'(z) = s (1 + z (1 - s)), s = sigmoid(z), each operation rounded: the device
+ * twin of reference/grad.h's mb_dsilu (that header is host-only). */
+MB_DEV float mb_dsilu(float z)
+{
+    const float s = mb_sigmoid(z);
+    return s * (1.0f + z * (1.0f - s));
+}
+
+/* dst[c * ldd + r] = src[r * lds + c]; grid (x over column tiles, y over row tiles),
+ * GR_TILE x 8 threads; bytes move untouched. */
+MB_KERNEL void MB_BOUNDS(GR_TILE * 8)
+mb_transpose_k(int64_t rows, int64_t cols, const float *src, int64_t lds, float *dst, int64_t ldd)
+{
+    __shared__ float t[GR_TILE][GR_TILE + 1];
+    const int tx = threadIdx.x % GR_TILE, ty = threadIdx.x / GR_TILE;
+    for (int64_t r0 = (int64_t)blockIdx.y * GR_TILE; r0 < rows; r0 += (int64_t)gridDim.y * GR_TILE)
+        for (int64_t c0 = (int64_t)blockIdx.x * GR_TILE; c0 < cols;
+             c0 += (int64_t)gridDim.x * GR_TILE) {
+            for (int i = ty; i < GR_TILE; i += 8)
+                if (r0 + i < rows && c0 + tx < cols) t[i][tx] = src[(r0 + i) * lds + c0 + tx];
+            __syncthreads();
+            for (int i = ty; i < GR_TILE; i += 8)
+                if (c0 + i < cols && r0 + tx < rows) dst[(c0 + i) * ldd + r0 + tx] = t[tx][i];
+            __syncthreads();
+        }
+}
+
+/* Per row m of the RMSNorm backward: rc[2m] = r = rsqrt(dot(x, x) / n + eps) as the
+ * forward computes it, rc[2m + 1] = coef = -(((s * r) * r) * r) / n with s = dot v1
+ * of (dout * w) and x. A block stages GR_ROWS rows through shared memory, GR_KC
+ * columns at a time; thread r walks both chains of row r. */
+MB_KERNEL void MB_BOUNDS(GR_THREADS)
+mb_rms_bwd_rows_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *w,
+                  const float *dout, int64_t ldd, float *rc)
+{
+    __shared__ float xs[GR_ROWS][GR_KC + 1], hs[GR_ROWS][GR_KC + 1];
+    const int tid = threadIdx.x;
+    for (int64_t m0 = (int64_t)blockIdx.x * GR_ROWS; m0 < M; m0 += (int64_t)gridDim.x * GR_ROWS) {
+        const int rows = M - m0 < GR_ROWS ? (int)(M - m0) : GR_ROWS;
+        float ss = 0.0f, s = 0.0f;
+        mb_dot_tree tss, ts;
+        tss.top = ts.top = 0;
+        for (int64_t k0 = 0; k0 < n; k0 += GR_KC) {
+            const int kn = n - k0 < GR_KC ? (int)(n - k0) : GR_KC;
+            for (int i = tid; i < GR_ROWS * GR_KC; i += GR_THREADS) {
+                const int r = i / GR_KC, k = i % GR_KC;
+                if (r < rows && k < kn) {
+                    const int64_t m = m0 + r;
+                    xs[r][k] = x[m * ldx + k0 + k];
+                    hs[r][k] = dout[m * ldd + k0 + k] * w[k0 + k];
+                }
+            }
+            __syncthreads();
+            if (tid < rows) {
+                if (k0 > 0 && k0 % MB_DOT_LEAF == 0) {
+                    mb_dot_tree_push(&tss, ss);
+                    mb_dot_tree_push(&ts, s);
+                    ss = s = 0.0f;
+                }
+                for (int k = 0; k < kn; k++) {
+                    const float xv = xs[tid][k];
+                    ss = fmaf(xv, xv, ss);
+                    s = fmaf(hs[tid][k], xv, s);
+                }
+            }
+            __syncthreads();
+        }
+        if (tid < rows) {
+            if (n > MB_DOT_LEAF) {
+                mb_dot_tree_push(&tss, ss);
+                mb_dot_tree_push(&ts, s);
+                ss = mb_dot_tree_sum(&tss);
+                s = mb_dot_tree_sum(&ts);
+            }
+            const float fn = (float)n, r = mb_rsqrt(ss / fn + MB_EPS);
+            rc[2 * (m0 + tid)] = r;
+            rc[2 * (m0 + tid) + 1] = -(((s * r) * r) * r) / fn;
+        }
+    }
+}
+
+/* dx = ((dout * w) * r) + (x * coef); xr (may be NULL) = x * r. */
+MB_KERNEL void mb_rms_bwd_apply_k(int64_t M, int64_t n, const float *x, int64_t ldx,
+                                  const float *w, const float *dout, int64_t ldd,
+                                  const float *rc, float *dx, int64_t lddx, float *xr,
+                                  int64_t ldxr)
+{
+    MB_GRID_LOOP(i, M * n) {
+        const int64_t m = i / n, j = i % n;
+        const float r = rc[2 * m], xv = x[m * ldx + j];
+        dx[m * lddx + j] = ((dout[m * ldd + j] * w[j]) * r) + (xv * rc[2 * m + 1]);
+        if (xr) xr[m * ldxr + j] = xv * r;
+    }
+}
+
+/* Leaf p of column c of mb_colfold: the chain over flat tokens k in [8192 p,
+ * min(8192 (p + 1), B L)), t = k % L, skipping t < shift, of a[k lda + c] *
+ * b[(k - shift) ldb + c] (b NULL: a plain sum), into out[p * ldp + c * so]. */
+MB_KERNEL void mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int64_t lda,
+                            const float *b, int64_t ldb, int64_t shift, int64_t P, float *out,
+                            int64_t so, int64_t ldp)
+{
+    const int64_t K = B * L;
+    MB_GRID_LOOP(i, n * P) {
+        const int64_t c = i % n, p = i / n;
+        const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
+        int64_t t = k0 % L;
+        float acc = 0.0f;
+        if (b) {
+            for (int64_t k = k0; k < k1; k++, t = t + 1 == L ? 0 : t + 1)
+                if (t >= shift) acc = fmaf(a[k * lda + c], b[(k - shift) * ldb + c], acc);
+        } else {
+            for (int64_t k = k0; k < k1; k++, t = t + 1 == L ? 0 : t + 1)
+                if (t >= shift) acc = acc + a[k * lda + c];
+        }
+        out[p * ldp + c * so] = acc;
+    }
+}
+
+/* Leaf p of group g of mb_fold_flat: the chain over flat indices k = r * cols + c in
+ * [8192 p, min(8192 (p + 1), rows cols)) of a[g ga + r lda + c] * b[g gb + r ldb + c]
+ * (b NULL: a plain sum), into out[p * ldp + g * so]. */
+MB_KERNEL void mb_fold_flat_k(int64_t rows, int64_t cols, const float *a, int64_t lda,
+                              const float *b, int64_t ldb, int64_t G, int64_t ga, int64_t gb,
+                              int64_t P, float *out, int64_t so, int64_t ldp)
+{
+    const int64_t K = rows * cols;
+    MB_GRID_LOOP(i, G * P) {
+        const int64_t g = i % G, p = i / G;
+        const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
+        const float *ag = a + g * ga, *bg = b ? b + g * gb : NULL;
+        int64_t r = k0 / cols, c = k0 % cols;
+        float acc = 0.0f;
+        for (int64_t k = k0; k < k1; k++) {
+            acc = bg ? fmaf(ag[r * lda + c], bg[r * ldb + c], acc) : acc + ag[r * lda + c];
+            if (++c == cols) {
+                c = 0;
+                r++;
+            }
+        }
+        out[p * ldp + g * so] = acc;
+    }
+}
+
+/* The conv of reference/conv.c from a zero window over B rows of L tokens (a prefill
+ * with no carried state): pre = the bias-seeded chain over the four taps, oldest
+ * first, positions before the row reading the window's +0; u = silu(pre). */
+MB_KERNEL void mb_conv_pre_k(int64_t B, int64_t L, int64_t C, const float *in, int64_t ldi,
+                             const float *w, const float *bias, float *pre, int64_t ldp,
+                             float *u, int64_t ldu)
+{
+    MB_GRID_LOOP(i, B * L * C) {
+        const int64_t m = i / C, c = i % C, t = m % L;
+        float acc = bias[c];
+#pragma unroll
+        for (int k = 0; k < TAPS; k++) {
+            const int64_t p = t - (TAPS - 1) + k;
+            acc = fmaf(w[c * TAPS + k], p >= 0 ? in[(m - (TAPS - 1) + k) * ldi + c] : 0.0f, acc);
+        }
+        pre[m * ldp + c] = acc;
+        u[m * ldu + c] = mb_silu(acc);
+    }
+}
+
+/* d = d * silu'(pre), element-wise over M rows of C channels. */
+MB_KERNEL void mb_dsilu_mul_k(int64_t M, int64_t C, float *d, int64_t ldd, const float *pre,
+                              int64_t ldp)
+{
+    MB_GRID_LOOP(i, M * C) {
+        const int64_t m = i / C, c = i % C;
+        d[m * ldd + c] = d[m * ldd + c] * mb_dsilu(pre[m * ldp + c]);
+    }
+}
+
+/* The conv's input gradient: dx[t][c] = the chain over taps k ascending of
+ * fma(w[c][k], dpre[t + 3 - k][c], .) from +0, positions past the row's end skipped. */
+MB_KERNEL void mb_conv_bwd_dx_k(int64_t B, int64_t L, int64_t C, const float *d, int64_t ldd,
+                                const float *w, float *dx, int64_t ldx)
+{
+    MB_GRID_LOOP(i, B * L * C) {
+        const int64_t m = i / C, c = i % C, t = m % L;
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < TAPS; k++)
+            if (t + (TAPS - 1) - k < L) acc = fmaf(w[c * TAPS + k], d[(m + (TAPS - 1) - k) * ldd + c], acc);
+        dx[m * ldx + c] = acc;
+    }
+}
+
+/* out = a + b, element-wise (out may alias a or b). */
+MB_KERNEL void mb_add_k(int64_t n, const float *a, const float *b, float *out)
+{
+    MB_GRID_LOOP(i, n) out[i] = a[i] + b[i];
+}
+
+#undef GR_TILE
+#undef GR_ROWS
+#undef GR_KC
+#undef GR_THREADS
+#undef TAPS

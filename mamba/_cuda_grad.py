@@ -1,0 +1,140 @@
+"""Launchers of the GPU backward building blocks (backends/kernels/grad.cu), the twins
+of reference/grad.c that every block's backward shares. CudaBackend inherits
+GradMixin; each method issues kernels on stream `s` (a CUstream, as
+CudaBackend.gemm takes) and returns at once. Pointers are device addresses (ints
+or device Arrays); ld* are row strides in floats, while an offset into a pointer
+is in bytes (p + 4 * i for float i), as elsewhere in the backend. `sc` is the call's _Scratch
+(stream-ordered scratch, freed when the call's `with` block ends).
+
+Every result has the bits of the C function named, for any launch shape:
+
+- g_transpose(s, rows, cols, src, lds, dst, ldd): mb_transpose,
+  dst[c * ldd + r] = src[r * lds + c].
+- g_rmsnorm_bwd(s, sc, M, n, x, ldx, w, dout, ldd, dx, lddx, xr=0, ldxr=0):
+  mb_rmsnorm_bwd_rows over M rows of n (r recomputed as the forward does); xr, when
+  given, receives x * r (the factor of w's gradient). dx aliases neither x nor dout.
+- g_colfold(s, sc, B, L, n, a, lda, out, so=1, b=0, ldb=0, shift=0): mb_colfold,
+  out[c * so] for c < n = dot v1 over the flat tokens (b, t) of a[k lda + c] *
+  b[(k - shift) ldb + c] (b = 0: a plain sum), terms with t < shift skipped, leaves
+  cut every 8192 flat tokens.
+- g_fold_flat(s, sc, rows, cols, a, lda, out, b=0, ldb=0, G=1, ga=0, gb=0, so=1):
+  G independent mb_fold_flat's: out[g * so] = mb_fold_flat(rows, cols, a + g * ga,
+  lda, b + g * gb, ldb) (b = 0: a plain sum), e.g. one per head.
+- g_linear_bwd(s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0):
+  mb_linear_bwd for Y = X . W^T (X (M, K), W (N, K), dY (M, N)): gW (N, K) by the
+  dot-v1 GEMM on transposed copies (the fold over the M tokens), dX (M, K) = dY . W
+  (dot v1 over N); either may be 0 (skipped).
+- g_conv_pre(s, B, L, C, inp, ldi, w, bias, pre, ldp, u, ldu): mb_conv_silu_pre
+  from a zero window (a prefill with no state): pre (the conv before silu) and u.
+- g_conv_silu_bwd(s, sc, B, L, C, d, ldd, pre, ldp, inp, ldi, w, gw, gb, dx, ldx):
+  mb_conv_silu_bwd: d holds du on entry and dpre on return; gw (C, 4), gb (C); dx
+  (its own rows of C, ld ldx).
+- g_add(s, n, a, b, out): out = a + b element-wise (dx = dx_norm + dy).
+- g_fold_leaves(s, P, n, parts, ldp, out, so=1): mb_dot_fold over P leaf results
+  parts[p * ldp + i] into out[i * so], for kernels that cut their own leaves.
+- _kernels(*names): look the named kernels up in the module on first use (every
+  kernel outside _cuda.KERNELS must be, before _launch names it).
+
+grad.cu also holds the device function mb_dsilu(z) (grad.h's twin) for the block
+kernels compiled after it.
+"""
+
+LEAF = 8192
+THREADS = 256
+TILE = 32            # grad.cu GR_TILE; the transpose runs GR_TILE x 8 threads
+NORM_ROWS, NORM_THREADS = 32, 128  # grad.cu GR_ROWS, GR_THREADS
+GRID_Y = 65535
+
+_KERNELS = ("mb_transpose_k", "mb_rms_bwd_rows_k", "mb_rms_bwd_apply_k", "mb_colfold_k",
+            "mb_fold_flat_k", "mb_conv_pre_k", "mb_dsilu_mul_k", "mb_conv_bwd_dx_k", "mb_add_k")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _addr(a):
+    """A device address of a pointer argument (an int or a device Array)."""
+    return a if isinstance(a, int) else a.ptr
+
+
+class GradMixin:
+    """CudaBackend methods shared by the blocks' backward passes (module docstring)."""
+
+    def _kernels(self, *names):
+        for n in names:
+            if n not in self.fn:
+                self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+
+    def _gk(self):
+        self._kernels(*_KERNELS)
+
+    def g_transpose(self, s, rows, cols, src, lds, dst, ldd):
+        if rows == 0 or cols == 0:
+            return
+        self._gk()
+        grid = (min(_cdiv(cols, TILE), 32 * self.sms), min(_cdiv(rows, TILE), GRID_Y))
+        self._launch(s, "mb_transpose_k", grid, TILE * 8, rows, cols, src, lds, dst, ldd)
+
+    def g_rmsnorm_bwd(self, s, sc, M, n, x, ldx, w, dout, ldd, dx, lddx, xr=0, ldxr=0):
+        self._gk()
+        rc = sc(2 * M)
+        self._launch(s, "mb_rms_bwd_rows_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),),
+                     NORM_THREADS, M, n, x, ldx, w, dout, ldd, rc)
+        self._launch(s, "mb_rms_bwd_apply_k", (self._grid(M * n),), THREADS,
+                     M, n, x, ldx, w, dout, ldd, rc, dx, lddx, xr, ldxr)
+
+    def g_fold_leaves(self, s, P, n, parts, ldp, out, so=1):
+        self._gk()
+        self._launch(s, "mb_dot_fold_k", (self._grid(n),), THREADS, P, n, 1, parts, ldp,
+                     out, so, 0, 0, 0)
+
+    def g_colfold(self, s, sc, B, L, n, a, lda, out, so=1, b=0, ldb=0, shift=0):
+        self._gk()
+        P = max(1, _cdiv(B * L, LEAF))
+        dst, ds, dp = (out, so, 0) if P == 1 else (sc(P * n), 1, n)
+        self._launch(s, "mb_colfold_k", (self._grid(n * P),), THREADS,
+                     B, L, n, a, lda, b, ldb, shift, P, dst, ds, dp)
+        if P > 1:
+            self.g_fold_leaves(s, P, n, dst, n, out, so)
+
+    def g_fold_flat(self, s, sc, rows, cols, a, lda, out, b=0, ldb=0, G=1, ga=0, gb=0, so=1):
+        self._gk()
+        P = max(1, _cdiv(rows * cols, LEAF))
+        dst, ds, dp = (out, so, 0) if P == 1 else (sc(P * G), 1, G)
+        self._launch(s, "mb_fold_flat_k", (self._grid(G * P),), THREADS,
+                     rows, cols, a, lda, b, ldb, G, ga, gb, P, dst, ds, dp)
+        if P > 1:
+            self.g_fold_leaves(s, P, G, dst, G, out, so)
+
+    def g_linear_bwd(self, s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0):
+        if gW:
+            dYT, XT = sc(N * M), sc(K * M)
+            self.g_transpose(s, M, N, dY, ldy, dYT, M)
+            self.g_transpose(s, M, K, X, ldx, XT, M)
+            P = self._parts(N, K, M)
+            self.gemm(s, N, K, M, dYT, M, XT, M, gW, K, sc(P) if P else 0)
+        if dX:
+            WT = sc(K * N)
+            self.g_transpose(s, N, K, W, ldw, WT, N)
+            P = self._parts(M, K, N)
+            self.gemm(s, M, K, N, dY, ldy, WT, N, dX, lddx, sc(P) if P else 0)
+
+    def g_conv_pre(self, s, B, L, C, inp, ldi, w, bias, pre, ldp, u, ldu):
+        self._gk()
+        self._launch(s, "mb_conv_pre_k", (self._grid(B * L * C),), THREADS,
+                     B, L, C, inp, ldi, w, bias, pre, ldp, u, ldu)
+
+    def g_conv_silu_bwd(self, s, sc, B, L, C, d, ldd, pre, ldp, inp, ldi, w, gw, gb, dx, ldx):
+        self._gk()
+        M = B * L
+        self._launch(s, "mb_dsilu_mul_k", (self._grid(M * C),), THREADS, M, C, d, ldd, pre, ldp)
+        self.g_colfold(s, sc, B, L, C, d, ldd, gb)
+        for k in range(4):  # gw[c][k]: column k of gw, 4 bytes a float
+            self.g_colfold(s, sc, B, L, C, d, ldd, _addr(gw) + 4 * k, 4, inp, ldi, 3 - k)
+        self._launch(s, "mb_conv_bwd_dx_k", (self._grid(M * C),), THREADS,
+                     B, L, C, d, ldd, w, dx, ldx)
+
+    def g_add(self, s, n, a, b, out):
+        self._gk()
+        self._launch(s, "mb_add_k", (self._grid(n),), THREADS, n, a, b, out)
