@@ -177,7 +177,7 @@ class SsdMixin:
             self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
             gn = sc(M * di)
             self._rmsnorm(s, fast, M, di, yg, gnorm_w, gn, I["r"])
-            self._back(s, B, L, dm, di, M, I, gn, out_proj, xd, xn, yd, parts)
+            self._back(s, B, L, dm, di, M, I, gn, out_proj, xd, xn, yd, parts, fast)
             if y.device == "cpu":
                 back.append((y, yd))
             self._finish(st, back)
