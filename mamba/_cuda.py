@@ -38,7 +38,7 @@ TF32_SMEM = 4 * 3 * 2 * TF32_TILE * (32 + 4)
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
-SCAN_LANES = 4       # scan1.cu: lanes per channel
+SCAN_CHANNELS = 8    # scan1.cu: channels per block of 16 lanes each
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
@@ -583,7 +583,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin):
                          B, off, di, b.xz, 2 * di, cw)
         self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
         self.gemm(s, M, di, R, b.xdbl, XR, dt_w, R, b.dtp, di, b.parts, fast)
-        self._launch(s, pre + "scan1_k", (_cdiv(SCAN_LANES * di, 128), rows), 128,
+        self._launch(s, pre + "scan1_k", (_cdiv(di, SCAN_CHANNELS), rows),
+                     16 * SCAN_CHANNELS,
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
         if L == 1 and M <= GEMV_MAX_M:
             self.gemm(s, M, dm, di, b.yi, di, out_proj, di, yd, dm, b.parts, fast, xd, guard)
