@@ -916,7 +916,8 @@ def _gemm(X, W, int64_t M, int64_t N, int64_t K):
 
 
 def _isa(int which=-1):
-    """Select the ISA of the CPU hot loops (-1 best, 0 baseline, 1 x86-64-v3); returns it."""
+    """Select the ISA of the CPU hot loops (-1 best, 0 baseline, 1 x86-64-v3, 2 x86-64-v4;
+    a level this CPU lacks gives its best); returns the one in use."""
     return mb_isa_select(which)
 
 

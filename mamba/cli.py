@@ -43,9 +43,15 @@ def cmd_run(args):
     return 0 if same else 1
 
 
+# _core._isa levels: the copy of the CPU hot loops in use (bits never depend on it)
+_CPU_ISAS = ("baseline (portable C, software fma)", "x86-64-v3 (AVX2 + FMA)",
+             "x86-64-v4 (AVX-512)")
+
+
 def cmd_info(args):
     for name, (ok, why) in mamba.backends().items():
         print(f"{name:5s} {'usable' if ok else 'unusable'}: {why}")
+    print(f"cpu ISA: {_CPU_ISAS[_core._isa(-1)]}")
     return 0
 
 

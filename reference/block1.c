@@ -7,6 +7,7 @@
 #include "ops.h"
 #include "fpenv.h"
 #include "block1.h"
+#include "scratch.h"
 
 #define NS MB_M1_NS
 #define CB 64          /* channels per scan task */
@@ -86,7 +87,7 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
     /* one allocation: xn/out (M dm), xz (M 2di), u, delta, yi (M di), xdbl (M XR),
      * AT (16 di), and the packed input and output when the batch is ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *buf = malloc((size_t)(M * dm + 5 * M * di + M * XR + NS * di + ragged) * sizeof(float));
+    float *buf = mb_scratch_take((size_t)(M * dm + 5 * M * di + M * XR + NS * di + ragged));
     if (!buf) {
         free(off);
         return MB_ENOMEM;
@@ -122,7 +123,7 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
     MB_ISA_FN(mb_out_residual)(M, dm, di, yi, w->out_proj, xs, xn, ys);
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
-    free(buf);
+    mb_scratch_give(buf);
     free(off);
     return MB_OK;
 }

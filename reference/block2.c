@@ -20,6 +20,7 @@
 #include "ops.h"
 #include "fpenv.h"
 #include "block2.h"
+#include "scratch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
@@ -270,10 +271,10 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
      * (E (CD + H)), per-thread SSD scratch, and the packed input and output if ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
     const int64_t nf = M * (dm + NP + di + CQ) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH + ragged;
-    float *buf = malloc((size_t)nf * sizeof(float));
+    float *buf = mb_scratch_take((size_t)nf);
     g_task *gt = malloc((size_t)ngt * sizeof *gt);
     if (!buf || !gt) {
-        free(buf);
+        mb_scratch_give(buf);
         free(gt);
         free(ib);
         return MB_ENOMEM;
@@ -397,7 +398,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
     free(gt);
-    free(buf);
+    mb_scratch_give(buf);
     free(ib);
     return MB_OK;
 }
@@ -417,7 +418,7 @@ int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const fl
 int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)
 {
     const int64_t di = 2 * w->d_model, H = di / HP, CD = di + 2 * NS;
-    float *scr = malloc((size_t)mb_max_threads() * SSD_SCRATCH * sizeof(float));
+    float *scr = mb_scratch_take((size_t)mb_max_threads() * SSD_SCRATCH);
     if (!scr)
         return MB_ENOMEM;
     int64_t work = 0;
@@ -444,6 +445,6 @@ int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state
         }
         mb_fpenv_exit(env);
     }
-    free(scr);
+    mb_scratch_give(scr);
     return MB_OK;
 }

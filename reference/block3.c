@@ -16,6 +16,7 @@
 #include "ops.h"
 #include "fpenv.h"
 #include "block3.h"
+#include "scratch.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
@@ -378,24 +379,21 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     int nth = mb_max_threads();
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
-    float *scr = calloc((size_t)nth * S_TOTAL, sizeof(float)); /* finite scratch rows */
-    if (!off || !scr) {
-        free(off);
-        free(scr);
+    if (!off)
         return MB_ENOMEM;
-    }
     const int64_t M = mb_row_offsets(B, L, lengths, off);
-    /* xn/out (M dm), zx (M dip), Bn, Cn (M NQK), dt, sig, adt (M H), ta (M NA),
-     * yg (M di), and the packed input and output when the batch is ragged */
+    /* per-thread scratch, xn/out (M dm), zx (M dip), Bn, Cn (M NQK), dt, sig, adt (M H),
+     * ta (M NA), yg (M di), and the packed input and output when the batch is ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *buf = malloc((size_t)(M * (dm + dip + 2 * NQK + 3 * H + NA + di) + ragged)
-                        * sizeof(float));
-    if (!buf) {
+    float *scr = mb_scratch_take((size_t)(nth * S_TOTAL
+                                          + M * (dm + dip + 2 * NQK + 3 * H + NA + di) + ragged));
+    if (!scr) {
         free(off);
-        free(scr);
         return MB_ENOMEM;
     }
-    float *xn = buf, *zx = xn + M * dm, *Bn = zx + M * dip, *Cn = Bn + M * NQK;
+    memset(scr, 0, (size_t)nth * S_TOTAL * sizeof(float)); /* finite scratch rows */
+    float *xn = scr + (int64_t)nth * S_TOTAL, *zx = xn + M * dm, *Bn = zx + M * dip;
+    float *Cn = Bn + M * NQK;
     float *dt = Cn + M * NQK, *sig = dt + M * H, *adt = sig + M * H, *ta = adt + M * H;
     float *yg = ta + M * NA;
     const float *xs = x;
@@ -430,8 +428,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     else
         st->buffered_tokens = (st->buffered_tokens + L - 1) % CQ + 1;
     st->pending = 0;
-    free(buf);
-    free(scr);
+    mb_scratch_give(scr);
     free(off);
     return MB_OK;
 }

@@ -3,7 +3,8 @@
 #include "mamba_ref.h"
 #include "fpenv.h"
 
-#define DECLARE_ISA(ret, name, params) ret name##_base params; ret name##_v3 params;
+#define DECLARE_ISA(ret, name, params) \
+    ret name##_base params; ret name##_v3 params; ret name##_v4 params;
 DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m1_state *, float *))
 DECLARE_ISA(int, mb_m1_backward, (const mb_m1_weights *, int64_t, int64_t, const float *,
@@ -22,13 +23,20 @@ DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
 DECLARE_ISA(int, mb_math_eval, (int, int64_t, const float *, float *))
 DECLARE_ISA(float, mb_dot_eval, (int64_t, const float *, const float *))
 
-static int isa_v3 = -1;
+/* 0 baseline, 1 x86-64-v3, 2 x86-64-v4; -1 until the first call picks the best. */
+static int isa_level = -1;
 
-static int cpu_has_v3(void)
+static int cpu_best_level(void)
 {
-#if MB_HAVE_V3
+#if MB_HAVE_X86_ISAS
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return 0;
+    /* libgcc also checks that the OS saves the AVX-512 state */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        return 2;
+    return 1;
 #else
     return 0;
 #endif
@@ -36,12 +44,14 @@ static int cpu_has_v3(void)
 
 int mb_isa_select(int which)
 {
-    isa_v3 = (which < 0 ? cpu_has_v3() : which) && cpu_has_v3();
-    return isa_v3;
+    const int best = cpu_best_level();
+    isa_level = which < 0 || which > best ? best : which;
+    return isa_level;
 }
 
-#if MB_HAVE_V3
-#define ISA(name) ((isa_v3 < 0 ? mb_isa_select(-1) : isa_v3) ? name##_v3 : name##_base)
+#define ISA_LEVEL (isa_level < 0 ? mb_isa_select(-1) : isa_level)
+#if MB_HAVE_X86_ISAS
+#define ISA(name) (ISA_LEVEL == 2 ? name##_v4 : ISA_LEVEL == 1 ? name##_v3 : name##_base)
 #else
 #define ISA(name) name##_base
 #endif

@@ -1,10 +1,9 @@
 /* Y = X . W^T under dot v1 (SPEC 4.4): every output is a serial ascending fmaf chain
  * from +0 over each leaf of 8192 k, leaves joined by the pairwise tree. Vectors run
- * across outputs only, never across k, so the base and v3 copies give the same bits.
+ * across outputs only, never across k, so every ISA copy gives the same bits.
  *
- * Two paths. Large M: a task packs one 16-row panel of W transposed (k-major) and
- * runs a block of X rows past it in 6x16 register tiles (12 accumulators, X
- * broadcast). Small M (decode): a GEMV that reads W rows in place, transposing 8x8
+ * Two paths. Large M: a task packs one NR-row panel of W transposed (k-major) and
+ * runs a block of X rows past it in MR x NR register tiles (X broadcast). Small M (decode): a GEMV that reads W rows in place, transposing 8x8
  * blocks in registers, four chains in flight. Both share W's rows between threads. */
 #include <math.h>
 #include <stdlib.h>
@@ -12,14 +11,22 @@
 #include "threads.h"
 #include "gemm.h"
 #include "fpenv.h"
+#include "simd.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
 #endif
 
 #define LEAF 8192
-#define MR 6       /* large path tile: rows of X ... */
-#define NR 16      /* ... by packed W columns (two vectors) */
+/* Large path tile: MR rows of X by NV vectors of packed W columns; MR * NV
+ * accumulators stay in registers (16 of them under AVX2, 32 under AVX-512). */
+#if MB_VW == 16
+#define MR 8
+#else
+#define MR 6
+#endif
+#define NV 2
+#define NR (NV * MB_VW)
 #define GM 4       /* small path: at most GM rows of X ... */
 #define GR 32      /* ... by GR rows of W per tile */
 #define SMALL_M 4  /* M up to this takes the GEMV path */
@@ -61,41 +68,25 @@ typedef struct {
 static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
 {
     const tile_arg *a = arg;
-    const float *b = a->wp + k0 * NR;
-#ifdef MB_SIMD
-    const float *x0 = a->x[0] + k0, *x1 = a->x[1] + k0, *x2 = a->x[2] + k0;
-    const float *x3 = a->x[3] + k0, *x4 = a->x[4] + k0, *x5 = a->x[5] + k0;
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (int64_t k = 0; k < kl; k++, b += NR) {
-        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), v;
-        v = _mm256_broadcast_ss(x0 + k);
-        c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
-        v = _mm256_broadcast_ss(x1 + k);
-        c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
-        v = _mm256_broadcast_ss(x2 + k);
-        c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
-        v = _mm256_broadcast_ss(x3 + k);
-        c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
-        v = _mm256_broadcast_ss(x4 + k);
-        c40 = _mm256_fmadd_ps(v, b0, c40); c41 = _mm256_fmadd_ps(v, b1, c41);
-        v = _mm256_broadcast_ss(x5 + k);
-        c50 = _mm256_fmadd_ps(v, b0, c50); c51 = _mm256_fmadd_ps(v, b1, c51);
+    const float *b = a->wp + k0 * NR, *x[MR];
+    mb_vf c[MR][NV];
+    for (int i = 0; i < MR; i++) {
+        x[i] = a->x[i] + k0;
+        for (int j = 0; j < NV; j++) c[i][j] = mb_vzero();
     }
-    _mm256_storeu_ps(t + 0 * NR, c00); _mm256_storeu_ps(t + 0 * NR + 8, c01);
-    _mm256_storeu_ps(t + 1 * NR, c10); _mm256_storeu_ps(t + 1 * NR + 8, c11);
-    _mm256_storeu_ps(t + 2 * NR, c20); _mm256_storeu_ps(t + 2 * NR + 8, c21);
-    _mm256_storeu_ps(t + 3 * NR, c30); _mm256_storeu_ps(t + 3 * NR + 8, c31);
-    _mm256_storeu_ps(t + 4 * NR, c40); _mm256_storeu_ps(t + 4 * NR + 8, c41);
-    _mm256_storeu_ps(t + 5 * NR, c50); _mm256_storeu_ps(t + 5 * NR + 8, c51);
-#else
-    for (int i = 0; i < MR * NR; i++) t[i] = 0.0f;
-    for (int64_t k = 0; k < kl; k++, b += NR)
+    for (int64_t k = 0; k < kl; k++, b += NR) {
+        mb_vf bv[NV];
+        MB_UNROLL
+        for (int j = 0; j < NV; j++) bv[j] = mb_vld(b + j * MB_VW);
+        MB_UNROLL
         for (int i = 0; i < MR; i++) {
-            float xv = a->x[i][k0 + k];
-            for (int j = 0; j < NR; j++) t[i * NR + j] = fmaf(xv, b[j], t[i * NR + j]);
+            const mb_vf v = mb_vbc(x[i] + k);
+            MB_UNROLL
+            for (int j = 0; j < NV; j++) c[i][j] = mb_vfma(v, bv[j], c[i][j]);
         }
-#endif
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NV; j++) mb_vst(t + i * NR + j * MB_VW, c[i][j]);
 }
 
 #ifdef MB_SIMD
@@ -167,12 +158,13 @@ static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     mb = mb < 96 ? 96 : mb > 384 ? 384 : mb;
     int64_t nmb = (M + mb - 1) / mb;
     int par = M * N * K >= MIN_PAR, nt = par ? mb_max_threads() : 1;
-    float *scratch = aligned_alloc(64, (size_t)(nt * NR * K) * sizeof(float));
+    const int64_t per = (NR * K + 15) & ~(int64_t)15; /* whole cache lines per thread */
+    float *scratch = aligned_alloc(64, (size_t)(nt * per) * sizeof(float));
     if (!scratch) return 0;
 #pragma omp parallel num_threads(nt) if (par)
     {
         mb_fpenv fe = mb_fpenv_enter();
-        float *wp = scratch + mb_thread_num() * NR * K;
+        float *wp = scratch + mb_thread_num() * per;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < nmb * np; task++) {
             int64_t p = task % np, m0 = task / np * mb, m1 = m0 + mb < M ? m0 + mb : M;

@@ -191,7 +191,8 @@ int mb_math_eval(int which, int64_t n, const float *x, float *y);
 float mb_dot_eval(int64_t k, const float *a, const float *b);
 
 /* Instruction set of the hot loops: -1 selects the best the CPU has, 0 the portable
- * baseline, 1 x86-64-v3. Returns the one in use (0 or 1). Bits never depend on it. */
+ * baseline, 1 x86-64-v3 (AVX2 + FMA), 2 x86-64-v4 (AVX-512); a level the CPU lacks
+ * gives its best. Returns the one in use. Bits never depend on it. */
 int mb_isa_select(int which);
 
 /* ---- low-bit weights (lowbit.c; docs/numerics.md "Low-bit weights"), integer-exact.

@@ -39,10 +39,13 @@ def test_info_lists_every_backend(tmp_path):
     r = cli(tmp_path, "info")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["cpu", "cuda", "hip"]
+    assert [ln.split()[0] for ln in lines] == ["cpu", "cuda", "hip", "cpu"]
     assert lines[0].startswith("cpu   usable")
     for name, (ok, why) in mamba.backends().items():
         assert f"{name:5s} {'usable' if ok else 'unusable'}: {why}" in lines
+    from mamba import _core
+    isa = ["baseline", "x86-64-v3", "x86-64-v4"][_core._isa(-1)]
+    assert lines[3].startswith(f"cpu ISA: {isa}")  # the copy of the hot loops in use
 
 
 def test_check_runs_every_lane_on_every_block(tmp_path):
