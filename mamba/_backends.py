@@ -22,6 +22,9 @@ class CpuBackend:
     def empty(self, shape, like=None):
         return _core.empty(shape)
 
+    def zeros(self, shape, like=None):
+        return _core.zeros(shape)
+
     def copy(self, a):
         _host_only([a], "a state piece")
         return _core.copy(a)

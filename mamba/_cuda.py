@@ -373,6 +373,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin):
                                      stream=s.number)
         return _core.empty(shape)
 
+    def zeros(self, shape, like=None):
+        """empty(), filled with +0 (on the current stream when on the device)."""
+        if like is None or like.device != self.name:
+            return _core.zeros(shape)
+        a = self.empty(shape, like)
+        self._ck(self.cu.cuMemsetD32Async(a.ptr, 0, a.size, self.stream().cu),
+                 "cuMemsetD32Async")
+        return a
+
     def copy(self, a):
         """A long-lived device copy of a host or device array, complete on return so
         that any stream may use it."""

@@ -126,10 +126,12 @@ class _Block:
                                  "state (each row would end at a different position)")
             lengths = chk.lengths(lengths, what, B, L)
         chk.real_finite(x, what, lengths)
-        fresh = state is None
-        if fresh:
-            state = self.allocate_state(B)
-        pieces = self._state_arrays(state, what, B)
+        if state is None:  # a zero state where x lives (no upload, no checks needed)
+            shapes = self._state_shapes(B)
+            pieces = [self._backend.zeros(shapes[n], like=x) for n in self._STATE._PIECES]
+            state = self._STATE(*pieces)
+        else:
+            pieces = self._state_arrays(state, what, B)
         y = self._backend.empty(x.shape, like=x)
         self._kernel(self._dev_w, x, pieces, state, y, lengths)
         return y

@@ -12,3 +12,4 @@
 #include "ssd2.cu"
 #include "ssd3.cu"
 #include "grad.cu"
+#include "back1.cu"

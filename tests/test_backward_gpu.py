@@ -1,0 +1,159 @@
+"""backward on a GPU backend (SPEC 3, 8): every gradient bit for bit the C reference's,
+over lengths that cross each block's internal chunking, repeatable, for host arrays
+(host gradients) and torch.cuda arrays (device gradients). Marked gpu: skipped where
+no GPU is usable, failed when MAMBA_BACKEND=cuda names an unusable one (test_gpu.py).
+
+GRAD_BLOCKS is the registry: one entry per block whose CUDA backward exists."""
+import math
+
+import pytest
+
+import mamba
+from _util import floats, rand, raw
+from blocks import BLOCKS
+from test_gpu import be, dev, host_bytes, torch  # noqa: F401 (fixtures)
+
+
+def _m2_binding_limit(w):
+    """A dt_limit around the head's dt at zero input, softplus(dt_bias): the clamp
+    holds a good share of the tokens at each bound (test_m2_dt_limit_binds)."""
+    sp = math.log1p(math.exp(floats(w["dt_bias"])[0]))
+    return dict(dt_limit=(0.8 * sp, 1.25 * sp))
+
+
+# block -> d_model, the lengths and batch sizes of the identity lane (the lengths cross
+# the backward's chunking: below, on and past a chunk, and several chunks), the shape
+# (B, L, d_model) of a call whose B * L folds span more than one 8192-token leaf, what
+# numeric_mode="fast" does ("identical": the identical path, same bits), and optionally
+# ctor: weights -> extra constructor arguments
+GRAD_BLOCKS = {
+    # the scan's reverse pass keeps a carry every 32 tokens
+    "mamba1": dict(d_model=32, lengths=(1, 31, 32, 33, 257), batches=(1, 3),
+                   leaves=(2, 4100, 16), fast="identical"),
+    # chunks of 256: the dh chain runs over 1, 2 and 3 chunks; one head
+    "mamba2": dict(d_model=32, lengths=(1, 255, 256, 257, 513), batches=(1, 3),
+                   leaves=(2, 4100, 32), fast="identical", ctor=_m2_binding_limit),
+}
+
+CASES = [(n, B, L) for n, spec in GRAD_BLOCKS.items() for B in spec["batches"]
+         for L in spec["lengths"]]
+
+
+def _inputs(shape, seed):
+    return rand(shape, seed), rand(shape, seed + 1)
+
+
+def _floats(b):
+    return memoryview(b).cast("f")
+
+
+def assert_same_gradients(got, want, what):
+    """Bitwise equality of every gradient; a failure names the gradient, the first
+    flat index that differs and both values (with their bit patterns)."""
+    assert set(got) == set(want), f"{what}: gradients {sorted(got)} != {sorted(want)}"
+    for k in want:
+        g = host_bytes(got[k]) if got[k].device != "cpu" else raw(got[k])
+        w = raw(want[k])
+        assert len(g) == len(w), f"{what}: {k} has {len(g) // 4} values, the CPU's {len(w) // 4}"
+        if g != w:
+            i = next(j for j in range(0, len(w), 4) if g[j:j + 4] != w[j:j + 4]) // 4
+            gv, wv = _floats(g)[i], _floats(w)[i]
+            n = sum(g[j:j + 4] != w[j:j + 4] for j in range(0, len(w), 4))
+            pytest.fail(f"{what}: gradient {k!r} differs at flat index {i} (of {len(w) // 4}; "
+                        f"{n} values differ): GPU {gv!r} (0x{g[4 * i:4 * i + 4][::-1].hex()}) "
+                        f"vs CPU {wv!r} (0x{w[4 * i:4 * i + 4][::-1].hex()})")
+
+
+def _block(name, dm, seed, **kw):
+    """make(), plus the registry's constructor arguments for these weights."""
+    w = mamba.random_weights(name, dm, seed=seed)
+    return BLOCKS[name]["cls"](w, **GRAD_BLOCKS[name].get("ctor", lambda w: {})(w), **kw)
+
+
+def _pair(name, dm, seed=0, **kw):
+    return _block(name, dm, seed, backend="cpu", **kw), _block(name, dm, seed, backend="cuda", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,B,L", CASES, ids=[f"{n}-B{B}-L{L}" for n, B, L in CASES])
+def test_backward_equals_cpu(be, name, B, L):
+    """Host arrays in, host gradients out, the C reference's bits; a second call
+    gives the same bits."""
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=B + L)
+    x, dy = _inputs((B, L, dm), 7 * L + B)
+    want = cpu.backward(x, dy)
+    got = gpu.backward(x, dy)
+    assert all(g.device == "cpu" for g in got.values())
+    assert_same_gradients(got, want, f"{name} B={B} L={L}")
+    assert_same_gradients(gpu.backward(x, dy), got, f"{name} B={B} L={L}, second call")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_backward_device_arrays(be, torch, name):
+    """torch.cuda x and grad_output give device gradients (torch reads them zero-copy)
+    with the CPU's bits; a device x with a host grad_output too."""
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=5)
+    x, dy = _inputs((3, 33, dm), 21)
+    want = cpu.backward(x, dy)
+    for dy_in in (dev(torch, dy), dy):
+        got = gpu.backward(dev(torch, x), dy_in)
+        for k, g in got.items():
+            assert isinstance(g, mamba.Array) and g.device == "cuda", k
+            assert torch.from_dlpack(g).data_ptr() == g.ptr, f"{k}: from_dlpack must not copy"
+        assert_same_gradients(got, want, f"{name} device x, {type(dy_in).__name__} dy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_backward_folds_past_one_leaf(be, name):
+    """B * L > 8192: the weight gradients' folds over the tokens join leaves."""
+    B, L, dm = GRAD_BLOCKS[name]["leaves"]
+    cpu, gpu = _pair(name, dm, seed=3)
+    x, dy = _inputs((B, L, dm), 3)
+    assert_same_gradients(gpu.backward(x, dy), cpu.backward(x, dy), f"{name} B={B} L={L}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n, s in GRAD_BLOCKS.items() if s["fast"] == "identical"])
+def test_backward_fast_mode_is_the_identical_path(be, name):
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=9)
+    fast = _block(name, dm, 9, backend="cuda", numeric_mode="fast")
+    x, dy = _inputs((2, 40, dm), 9)
+    assert_same_gradients(fast.backward(x, dy), cpu.backward(x, dy), f"{name} fast mode")
+
+
+@pytest.mark.gpu
+def test_m1_scan_windows_change_no_bit(be):
+    """The Mamba-1 scan backward's window buffers hold runs of whole chunks; the
+    smallest window (one chunk) gives the bits of the default (one window here)."""
+    dm = GRAD_BLOCKS["mamba1"]["d_model"]
+    cpu, gpu = _pair("mamba1", dm, seed=4)
+    x, dy = _inputs((3, 70, dm), 4)
+    saved = be.m1_window_bytes
+    be.m1_window_bytes = 1
+    try:
+        got = gpu.backward(x, dy)
+    finally:
+        be.m1_window_bytes = saved
+    assert_same_gradients(got, cpu.backward(x, dy), "mamba1, one chunk per window")
+
+
+def test_m2_dt_limit_binds():
+    """The registry's dt_limit holds tokens at each bound (CPU): lifting either bound
+    changes dt_bias' gradient."""
+    blk = _block("mamba2", 32, 3 + 257, backend="cpu")
+    lo, hi = blk.dt_limit
+    x, dy = _inputs((3, 257, 32), 7 * 257 + 3)
+    w = dict(zip(blk._W_NAMES, blk._w))
+    g = raw(blk.backward(x, dy)["dt_bias"])
+    for lim in ((lo, math.inf), (0.0, hi)):
+        other = mamba.Mamba2Block(w, dt_limit=lim, backend="cpu").backward(x, dy)
+        assert raw(other["dt_bias"]) != g, f"dt_limit {(lo, hi)}: lifting to {lim} changes nothing"
+
+
+def test_registry_names_known_blocks():
+    assert set(GRAD_BLOCKS) <= set(BLOCKS)
