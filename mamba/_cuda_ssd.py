@@ -21,6 +21,7 @@ from . import _core
 M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
+Y_THREADS = 256   # ssd2.cu mb_m2_y_k
 MAX_GRID_Z = 65535
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
@@ -168,7 +169,7 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)
-            self._launch(s, "mb_m2_y_k", (M2_Q, H, NC), HP, I["desc"], H, di, CD, U, G, dt, dA,
+            self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,

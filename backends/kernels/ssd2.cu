@@ -6,7 +6,7 @@
  *   mb_m2_g_k      G = C . B^T per chunk (dot v1, k = 128), causal entries only.
  *   mb_m2_fold_k   S = (B * exp(cs_last - cs))^T . Xd per (chunk, head); with hin,
  *                  the fold fma(exp(cs_last), hin, S) itself (the h_last report).
- *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of one output row per block.
+ *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block.
  *   mb_m2_gate_k   g = Y * silu(z).
  * Every sum is the C reference's serial chain, one thread per output. */
 #include "ssd.cu"
@@ -52,15 +52,20 @@ MB_KERNEL void mb_m2_g_k(int64_t NC, const int64_t *desc, int64_t di, int64_t CD
 }
 
 #define FOLD_THREADS 256
+#define FJ 32 /* rows of the chunk staged per step of the fold */
 
 /* Block (chunk c, head h), FOLD_THREADS threads. Without hin: chunks with the fold
  * flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports, chunk
- * c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0. */
+ * c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
+ * S[p][m] is the chain over the chunk's rows j of (B_j[m] * dec_j) (x_j[p] * dt_j),
+ * each product rounded once as in block2.c; FJ rows of both factors are staged in
+ * shared memory at a time. Thread t owns m = t % NS and 32 p's. */
 MB_KERNEL void MB_BOUNDS(FOLD_THREADS)
 mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
              const float *dt, const float *cs, const float *hin, float *out, float *E)
 {
     __shared__ float dec[M2Q];
+    __shared__ float Bd[FJ][SSD_NS], Xd[FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
@@ -71,52 +76,100 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
     const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q;
     const float last = csc[n - 1];
     for (int64_t j = threadIdx.x; j < n; j += FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
-    __syncthreads();
+    const int m = threadIdx.x % SSD_NS, p0 = (threadIdx.x / SSD_NS) * 32;
+    float acc[32];
+#pragma unroll
+    for (int q = 0; q < 32; q++) acc[q] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += FJ) {
+        const int nj = n - j0 < FJ ? (int)(n - j0) : FJ;
+        __syncthreads(); /* dec is ready; the previous rows are consumed */
+        for (int e = threadIdx.x; e < nj * SSD_NS; e += FOLD_THREADS) {
+            const int jj = e / SSD_NS, mm = e % SSD_NS;
+            Bd[jj][mm] = U[(e0 + j0 + jj) * CD + di + mm] * dec[j0 + jj];
+        }
+        for (int e = threadIdx.x; e < nj * SSD_HP; e += FOLD_THREADS) {
+            const int jj = e / SSD_HP, pp = e % SSD_HP;
+            Xd[jj][pp] = U[(e0 + j0 + jj) * CD + h * SSD_HP + pp] * dtc[j0 + jj];
+        }
+        __syncthreads();
+        for (int jj = 0; jj < nj; jj++) {
+            const float b = Bd[jj][m];
+#pragma unroll
+            for (int q = 0; q < 32; q++) acc[q] = fmaf(b, Xd[jj][p0 + q], acc[q]);
+        }
+    }
     const float ex = mb_exp(last);
-    for (int64_t e = threadIdx.x; e < per; e += FOLD_THREADS) {
-        const int64_t p = e / SSD_NS, m = e % SSD_NS;
-        const float *u = U + e0 * CD;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++, u += CD)
-            acc = fmaf(u[di + m] * dec[j], u[h * SSD_HP + p] * dtc[j], acc);
-        if (hin)
-            out[ch * per + e] = fmaf(ex, hin[ch * per + e], acc);
-        else
-            out[ch * per + e] = acc;
+#pragma unroll
+    for (int q = 0; q < 32; q++) {
+        const int64_t e = (p0 + q) * SSD_NS + m;
+        out[ch * per + e] = hin ? fmaf(ex, hin[ch * per + e], acc[q]) : acc[q];
     }
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
-/* Block (row i, head h, chunk c), SSD_HP threads (one per p): the row of
- * M = G * exp(seg) in shared memory (seg[i][j] the serial sum of dA[j+1..i] from
- * +0), then Y_diag = M . Xd, Y_off = (C_i . h_prev) * exp(cs_i) and
- * y = (Y_diag + Y_off) + x * D into yb (packed tokens, di wide). */
-MB_KERNEL void MB_BOUNDS(SSD_HP)
+#define Y_THREADS 256
+#define YT 32 /* output rows per tile */
+#define YJ 32 /* rows of x staged per step */
+
+/* Block (head h, chunk c), Y_THREADS threads; the chunk's output rows in tiles of
+ * YT. For a tile, thread j (one per column) walks seg[i][j], the serial sum of
+ * dA[j+1..i] from +0, down the tile's rows (carrying it from the tile above) and
+ * stores that tile of M = G * exp(seg) in shared memory (tiles of rows before r0,
+ * which came from the state, only advance seg); then each thread forms 8
+ * rows of one p: Y_diag = M . Xd (the chain over j ascending, Xd = x * dt staged
+ * YJ rows at a time), Y_off = (C_i . h_prev) * exp(cs_i) and y = (Y_diag + Y_off) +
+ * x * D into yb (packed tokens, di wide), for rows r0 <= i < n. */
+MB_KERNEL void MB_BOUNDS(Y_THREADS)
 mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
           const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
           float *yb)
 {
-    __shared__ float Mrow[M2Q];
-    const int64_t i = blockIdx.x, h = blockIdx.y, c = blockIdx.z, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], r0 = d[3];
-    if (i < r0 || i >= n) return;
-    const int64_t ch = c * H + h;
-    const float *dAc = dA + ch * M2Q, *g = G + (c * M2Q + i) * M2Q;
-    for (int64_t j = threadIdx.x; j <= i; j += SSD_HP) {
-        float s = 0.0f;
-        for (int64_t u = j + 1; u <= i; u++) s = s + dAc[u];
-        Mrow[j] = g[j] * mb_exp(s);
+    __shared__ float Mt[YT][M2Q], Xd[YJ][SSD_HP];
+    const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
+    const float *dAc = dA + ch * M2Q, *dtc = dt + ch * M2Q, *g = G + c * M2Q * M2Q;
+    const int tid = threadIdx.x, p = tid % SSD_HP, rb = (tid / SSD_HP) * 8;
+    const float *hp = hck + (ch * SSD_HP + p) * SSD_NS;
+    float seg = 0.0f; /* thread tid's column: seg[i][tid] of the last row walked */
+    for (int64_t i0 = 0; i0 < n; i0 += YT) {
+        const int64_t i1 = n - i0 < YT ? n : i0 + YT;
+        for (int64_t i = i0 > tid ? i0 : tid; i < i1; i++) {
+            seg = i == tid ? 0.0f : seg + dAc[i];
+            if (i >= r0) Mt[i - i0][tid] = g[i * M2Q + tid] * mb_exp(seg);
+        }
+        if (i1 <= r0) continue; /* rows from the state only: seg walked, no output */
+        float yd[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) yd[r] = 0.0f;
+        for (int64_t j0 = 0; j0 < i1; j0 += YJ) {
+            const int nj = i1 - j0 < YJ ? (int)(i1 - j0) : YJ;
+            __syncthreads(); /* Mt is written; the previous Xd rows are consumed */
+            for (int e = tid; e < nj * SSD_HP; e += Y_THREADS) {
+                const int jj = e / SSD_HP, pp = e % SSD_HP;
+                Xd[jj][pp] = U[(e0 + j0 + jj) * CD + h * SSD_HP + pp] * dtc[j0 + jj];
+            }
+            __syncthreads();
+            for (int jj = 0; jj < nj; jj++) {
+                const int64_t j = j0 + jj;
+                const float xv = Xd[jj][p];
+#pragma unroll
+                for (int r = 0; r < 8; r++)
+                    if (j <= i0 + rb + r) yd[r] = fmaf(Mt[rb + r][j], xv, yd[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int64_t i = i0 + rb + r;
+            if (i < r0 || i >= n) continue;
+            const float *Ci = U + (e0 + i) * CD + di + SSD_NS;
+            float yo = 0.0f;
+            for (int m = 0; m < SSD_NS; m++) yo = fmaf(Ci[m], hp[m], yo);
+            const float y = (yd[r] + yo * mb_exp(cs[ch * M2Q + i])) +
+                            U[(e0 + i) * CD + h * SSD_HP + p] * D[h];
+            yb[(d[4] + i - r0) * di + h * SSD_HP + p] = y;
+        }
+        __syncthreads(); /* the next tile rewrites Mt */
     }
-    __syncthreads();
-    const int64_t p = threadIdx.x;
-    const float *dtc = dt + ch * M2Q, *u = U + e0 * CD + h * SSD_HP + p;
-    float yd = 0.0f;
-    for (int64_t j = 0; j <= i; j++) yd = fmaf(Mrow[j], u[j * CD] * dtc[j], yd);
-    const float *Ci = U + (e0 + i) * CD + di + SSD_NS, *hp = hck + (ch * SSD_HP + p) * SSD_NS;
-    float yo = 0.0f;
-    for (int m = 0; m < SSD_NS; m++) yo = fmaf(Ci[m], hp[m], yo);
-    const float y = (yd + yo * mb_exp(cs[ch * M2Q + i])) + u[i * CD] * D[h];
-    yb[(d[4] + i - r0) * di + h * SSD_HP + p] = y;
 }
 
 /* g = Y * silu(z) over M rows of di; z is the first di columns of in_proj's rows. */
@@ -129,3 +182,7 @@ MB_KERNEL void mb_m2_gate_k(int64_t M, int64_t di, const float *zxd, int64_t NP,
 
 #undef M2Q
 #undef FOLD_THREADS
+#undef FJ
+#undef Y_THREADS
+#undef YT
+#undef YJ
