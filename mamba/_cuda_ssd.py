@@ -21,7 +21,7 @@ from . import _core
 M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
-Y_THREADS = 256   # ssd2.cu mb_m2_y_k
+Y_THREADS = 256   # mb_m2_y_k and mb_m3_y_k
 MAX_GRID_Z = 65535
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
@@ -284,7 +284,7 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)
-            self._launch(s, "mb_m3_y_k", (M3_Q, H, NC), HP, I["desc"], H, di, NP, Q, K, V, DT,
+            self._launch(s, "mb_m3_y_k", (H, NC), Y_THREADS, I["desc"], H, di, NP, Q, K, V, DT,
                          SIG, ADT, QKG, hck, D, zx, yg)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,

@@ -10,7 +10,7 @@
  *   mb_m3_pending_k Input_States: h0 = h + (v * k) * (dt_1 * (1 - sig_1)).
  *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
  *                   with hin, the fold itself (the h_last report).
- *   mb_m3_y_k       the output of one row per block, gated.
+ *   mb_m3_y_k       the gated output of a chunk and head per block.
  *   mb_m3_last_k    the k_last and v_last reports. */
 #include "ssd.cu"
 
@@ -157,52 +157,125 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
-/* Block (row i, head h, chunk c), SSD_HP threads (one per p). Thread j < i builds
- * M[i][j] = (q_i . (k_j * scale_j)) * exp(seg[i][j]) (strictly causal; seg the
- * serial sum of A*dt[j+1..i] from +0); then
- * y = (q_i . h_prev) * exp(cs_i) + M . v, y = y + (D + qk_gamma) * v, y = y * silu(z)
- * into yg (packed tokens, di wide). */
-MB_KERNEL void MB_BOUNDS(SSD_HP)
+#define Y3_THREADS 256
+#define Y3K 16 /* columns of q, k and h_prev staged per step */
+
+/* Stage rows [0, 64) x columns [m0, m0 + Y3K) of an (ext row, head) array of width
+ * SSD_NS into dst, each row times f(row); rows at or past n read as +0. */
+template <class Fn>
+MB_DEV void m3_stage(float (*dst)[Y3K + 1], const float *src, int64_t e0, int64_t n, int64_t H,
+                     int64_t h, int m0, Fn f)
+{
+    for (int e = threadIdx.x; e < M3Q * Y3K; e += Y3_THREADS) {
+        const int r = e / Y3K, mm = e % Y3K;
+        dst[r][mm] = r < n ? src[((e0 + r) * H + h) * SSD_NS + m0 + mm] * f(r) : 0.0f;
+    }
+}
+
+/* Block (head h, chunk c), Y3_THREADS threads; thread (ti, tj) owns rows 4 ti..+3
+ * and columns 4 tj..+3 of each 64 x 64 product. The chains are the C reference's:
+ * G[i][j] = q_i . (k_j * scale_j) over m ascending (both staged Y3K columns at a
+ * time); M[i][j] = G * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i]
+ * from +0, walked down each column by one thread); ys = q_i . h_prev over m; yi =
+ * M . v over u < i ascending; y = ys * exp(cs_i) + yi, y = y + (D + qk_gamma) * v,
+ * y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i < n. */
+MB_KERNEL void MB_BOUNDS(Y3_THREADS)
 mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
           const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
           const float *hck, const float *D, const float *zx, float *yg)
 {
-    __shared__ float Mrow[M3Q];
-    __shared__ float ecs;
-    const int64_t i = blockIdx.x, h = blockIdx.y, c = blockIdx.z, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], r0 = d[3];
-    if (i < r0 || i >= n) return;
-    const int64_t ch = c * H + h, ei = (e0 + i) * H + h;
-    const float *qi = Q + ei * SSD_NS;
-    const int64_t j = threadIdx.x;
-    if (j < i) {
-        const int64_t ej = (e0 + j) * H + h;
-        const float sc = m3_scale(DT, SIG, H, ej, true);
-        const float *kj = K + ej * SSD_NS;
-        float g = 0.0f;
-        for (int m = 0; m < SSD_NS; m++) g = fmaf(qi[m], kj[m] * sc, g);
-        float s = 0.0f;
-        for (int64_t u = j + 1; u <= i; u++) s = s + ADT[(e0 + u) * H + h];
-        Mrow[j] = g * mb_exp(s);
+    __shared__ float At[M3Q][Y3K + 1], Bt[M3Q][Y3K + 1];
+    __shared__ float Mt[M3Q][M3Q + 1], Vs[M3Q][SSD_HP];
+    __shared__ float ecs[M3Q];
+    const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
+    const int tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
+    const float *adt = ADT + e0 * H + h; /* row u at adt[u * H] */
+    float acc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[r][q] = 0.0f;
+    /* G; the scale of row j reads row j + 1, which exists for every j < n - 1 */
+    for (int m0 = 0; m0 < SSD_NS; m0 += Y3K) {
+        __syncthreads();
+        m3_stage(At, Q, e0, n, H, h, m0, [](int64_t) { return 1.0f; });
+        m3_stage(Bt, K, e0, n, H, h, m0, [&](int64_t j) {
+            return j + 1 < n ? m3_scale(DT, SIG, H, (e0 + j) * H + h, true) : 0.0f;
+        });
+        __syncthreads();
+#pragma unroll
+        for (int mm = 0; mm < Y3K; mm++)
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
     }
-    if (j == 0) {
-        float acc = 0.0f;
-        for (int64_t u = 0; u <= i; u++) acc = acc + ADT[(e0 + u) * H + h];
-        ecs = mb_exp(acc);
+    /* seg down column j (thread j) into Mt, and cs (thread M3Q) into ecs */
+    if (tid < n) {
+        float s = 0.0f;
+        for (int64_t i = tid + 1; i < n; i++) {
+            s = s + adt[i * H];
+            Mt[i][tid] = s;
+        }
+    } else if (tid == M3Q) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            s = s + adt[i * H];
+            ecs[i] = mb_exp(s);
+        }
+    }
+    for (int e = tid; e < M3Q * SSD_HP; e += Y3_THREADS) {
+        const int u = e / SSD_HP, p = e % SSD_HP;
+        Vs[u][p] = u < n ? V[((e0 + u) * H + h) * SSD_HP + p] : 0.0f;
     }
     __syncthreads();
-    const int64_t p = threadIdx.x;
-    const float *hp = hck + (ch * SSD_HP + p) * SSD_NS;
-    float ys = 0.0f;
-    for (int m = 0; m < SSD_NS; m++) ys = fmaf(qi[m], hp[m], ys);
-    float yi = 0.0f;
-    for (int64_t u = 0; u < i; u++) yi = fmaf(Mrow[u], V[((e0 + u) * H + h) * SSD_HP + p], yi);
-    const float v = V[ei * SSD_HP + p];
-    float y = ys * ecs + yi;
-    y = y + (D[h] + QKG[ei]) * v;
-    const int64_t tok = d[4] + i - r0;
-    yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int i = 4 * ti + r, j = 4 * tj + q;
+            if (j < i && i < n) Mt[i][j] = acc[r][q] * mb_exp(Mt[i][j]);
+            acc[r][q] = 0.0f;
+        }
+    /* ys = q . h_prev, with columns p = 4 tj..+3 */
+    const float *hp = hck + ch * SSD_HP * SSD_NS;
+    for (int m0 = 0; m0 < SSD_NS; m0 += Y3K) {
+        __syncthreads();
+        m3_stage(At, Q, e0, n, H, h, m0, [](int64_t) { return 1.0f; });
+        for (int e = tid; e < SSD_HP * Y3K; e += Y3_THREADS) {
+            const int p = e / Y3K, mm = e % Y3K;
+            Bt[p][mm] = hp[p * SSD_NS + m0 + mm];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int mm = 0; mm < Y3K; mm++)
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int64_t i = 4 * ti + r;
+        if (i < r0 || i >= n) continue;
+        const int64_t ei = (e0 + i) * H + h, tok = d[4] + i - r0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int p = 4 * tj + q;
+            float yi = 0.0f;
+            for (int64_t u = 0; u < i; u++) yi = fmaf(Mt[i][u], Vs[u][p], yi);
+            float y = acc[r][q] * ecs[i] + yi;
+            y = y + (D[h] + QKG[ei]) * Vs[i][p];
+            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
+        }
+    }
 }
+
+#undef Y3_THREADS
+#undef Y3K
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
