@@ -85,4 +85,37 @@ MB_KERNEL void mb_ssd_put_k(int64_t B, const int64_t *off, const int64_t *eoff, 
     }
 }
 
+#define SSD_FOLD_THREADS 256
+#define SSD_FJ 32 /* chunk rows staged per step of a fold */
+
+/* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
+ * (one fmaf each, from +0): both factors of SSD_FJ rows are staged in shared memory
+ * at a time, each formed once. Thread t of SSD_FOLD_THREADS owns m = t % SSD_NS and
+ * p = p0 + q, p0 = 32 (t / SSD_NS), q < 32; writes out(e, S) for e = p * SSD_NS + m.
+ * The caller's block shares sA, sB. */
+template <class FA, class FB, class Out>
+MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
+{
+    const int m = threadIdx.x % SSD_NS, p0 = (threadIdx.x / SSD_NS) * 32;
+    float acc[32];
+#pragma unroll
+    for (int q = 0; q < 32; q++) acc[q] = 0.0f;
+    for (int64_t j0 = 0; j0 < n; j0 += SSD_FJ) {
+        const int nj = n - j0 < SSD_FJ ? (int)(n - j0) : SSD_FJ;
+        __syncthreads(); /* the previous rows are consumed */
+        for (int e = threadIdx.x; e < nj * SSD_NS; e += SSD_FOLD_THREADS)
+            sA[e / SSD_NS][e % SSD_NS] = a(j0 + e / SSD_NS, e % SSD_NS);
+        for (int e = threadIdx.x; e < nj * SSD_HP; e += SSD_FOLD_THREADS)
+            sB[e / SSD_HP][e % SSD_HP] = b(j0 + e / SSD_HP, e % SSD_HP);
+        __syncthreads();
+        for (int jj = 0; jj < nj; jj++) {
+            const float x = sA[jj][m];
+#pragma unroll
+            for (int q = 0; q < 32; q++) acc[q] = fmaf(x, sB[jj][p0 + q], acc[q]);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < 32; q++) out((p0 + q) * SSD_NS + m, acc[q]);
+}
+
 #endif

@@ -51,59 +51,32 @@ MB_KERNEL void mb_m2_g_k(int64_t NC, const int64_t *desc, int64_t di, int64_t CD
     }
 }
 
-#define FOLD_THREADS 256
-#define FJ 32 /* rows of the chunk staged per step of the fold */
-
-/* Block (chunk c, head h), FOLD_THREADS threads. Without hin: chunks with the fold
- * flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports, chunk
- * c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
- * S[p][m] is the chain over the chunk's rows j of (B_j[m] * dec_j) (x_j[p] * dt_j),
- * each product rounded once as in block2.c; FJ rows of both factors are staged in
- * shared memory at a time. Thread t owns m = t % NS and 32 p's. */
-MB_KERNEL void MB_BOUNDS(FOLD_THREADS)
+/* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
+ * fold flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports,
+ * chunk c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
+ * S's terms are (B_j[m] * dec_j) (x_j[p] * dt_j), each product rounded once as in
+ * block2.c. */
+MB_KERNEL void MB_BOUNDS(SSD_FOLD_THREADS)
 mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
              const float *dt, const float *cs, const float *hin, float *out, float *E)
 {
     __shared__ float dec[M2Q];
-    __shared__ float Bd[FJ][SSD_NS], Xd[FJ][SSD_HP];
+    __shared__ float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
     if (n == 0) {
-        for (int64_t e = threadIdx.x; e < per; e += FOLD_THREADS) out[ch * per + e] = hin[ch * per + e];
+        for (int64_t e = threadIdx.x; e < per; e += SSD_FOLD_THREADS) out[ch * per + e] = hin[ch * per + e];
         return;
     }
-    const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q;
-    const float last = csc[n - 1];
-    for (int64_t j = threadIdx.x; j < n; j += FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
-    const int m = threadIdx.x % SSD_NS, p0 = (threadIdx.x / SSD_NS) * 32;
-    float acc[32];
-#pragma unroll
-    for (int q = 0; q < 32; q++) acc[q] = 0.0f;
-    for (int64_t j0 = 0; j0 < n; j0 += FJ) {
-        const int nj = n - j0 < FJ ? (int)(n - j0) : FJ;
-        __syncthreads(); /* dec is ready; the previous rows are consumed */
-        for (int e = threadIdx.x; e < nj * SSD_NS; e += FOLD_THREADS) {
-            const int jj = e / SSD_NS, mm = e % SSD_NS;
-            Bd[jj][mm] = U[(e0 + j0 + jj) * CD + di + mm] * dec[j0 + jj];
-        }
-        for (int e = threadIdx.x; e < nj * SSD_HP; e += FOLD_THREADS) {
-            const int jj = e / SSD_HP, pp = e % SSD_HP;
-            Xd[jj][pp] = U[(e0 + j0 + jj) * CD + h * SSD_HP + pp] * dtc[j0 + jj];
-        }
-        __syncthreads();
-        for (int jj = 0; jj < nj; jj++) {
-            const float b = Bd[jj][m];
-#pragma unroll
-            for (int q = 0; q < 32; q++) acc[q] = fmaf(b, Xd[jj][p0 + q], acc[q]);
-        }
-    }
-    const float ex = mb_exp(last);
-#pragma unroll
-    for (int q = 0; q < 32; q++) {
-        const int64_t e = (p0 + q) * SSD_NS + m;
-        out[ch * per + e] = hin ? fmaf(ex, hin[ch * per + e], acc[q]) : acc[q];
-    }
+    const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q, *u = U + e0 * CD;
+    const float last = csc[n - 1], ex = mb_exp(last);
+    for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
+    float *o = out + ch * per;
+    const float *hi = hin ? hin + ch * per : nullptr;
+    ssd_fold(n, [&](int64_t j, int m) { return u[j * CD + di + m] * dec[j]; },
+             [&](int64_t j, int p) { return u[j * CD + h * SSD_HP + p] * dtc[j]; },
+             [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
@@ -181,8 +154,6 @@ MB_KERNEL void mb_m2_gate_k(int64_t M, int64_t di, const float *zxd, int64_t NP,
 }
 
 #undef M2Q
-#undef FOLD_THREADS
-#undef FJ
 #undef Y_THREADS
 #undef YT
 #undef YJ

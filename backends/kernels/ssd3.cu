@@ -112,17 +112,17 @@ MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, b
     return DT[e] * SIG[e] + beta;
 }
 
-#define FOLD3_THREADS 256
-
-/* Block (chunk c, head h). Without hin: chunks with the fold flag (sealed: the
- * next ext row exists) write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin
- * (reports, chunk c is row c, its last row's beta +0): out[c, h] =
- * fma(exp(cs_last), hin[c, h], S). */
-MB_KERNEL void MB_BOUNDS(FOLD3_THREADS)
+/* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
+ * fold flag (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
+ * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
+ * out[c, h] = fma(exp(cs_last), hin[c, h], S). S's terms are (k_j[m] * scale_j)
+ * (v_j[p] * dec_j). */
+MB_KERNEL void MB_BOUNDS(SSD_FOLD_THREADS)
 mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
              const float *SIG, const float *ADT, const float *hin, float *out, float *E)
 {
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
+    __shared__ float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     const bool sealed = d[5] != 0;
@@ -135,25 +135,16 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
         }
     }
     __syncthreads();
-    const float last = cs[n - 1];
-    for (int64_t j = threadIdx.x; j < n; j += FOLD3_THREADS) {
+    const float last = cs[n - 1], ex = mb_exp(last);
+    for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) {
         sc[j] = m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed);
         dec[j] = mb_exp(last - cs[j]);
     }
-    __syncthreads();
-    const float ex = mb_exp(last);
-    for (int64_t e = threadIdx.x; e < per; e += FOLD3_THREADS) {
-        const int64_t p = e / SSD_NS, m = e % SSD_NS;
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t eh = (e0 + j) * H + h;
-            acc = fmaf(K[eh * SSD_NS + m] * sc[j], V[eh * SSD_HP + p] * dec[j], acc);
-        }
-        if (hin)
-            out[ch * per + e] = fmaf(ex, hin[ch * per + e], acc);
-        else
-            out[ch * per + e] = acc;
-    }
+    float *o = out + ch * per;
+    const float *hi = hin ? hin + ch * per : nullptr;
+    ssd_fold(n, [&](int64_t j, int m) { return K[((e0 + j) * H + h) * SSD_NS + m] * sc[j]; },
+             [&](int64_t j, int p) { return V[((e0 + j) * H + h) * SSD_HP + p] * dec[j]; },
+             [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
@@ -293,4 +284,3 @@ MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const flo
 
 #undef M3Q
 #undef M3A
-#undef FOLD3_THREADS
