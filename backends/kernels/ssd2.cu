@@ -83,6 +83,7 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
 #define Y_THREADS 256
 #define YT 32 /* output rows per tile */
 #define YJ 32 /* rows of x staged per step */
+#define YM 16 /* columns of C and h_prev staged per step */
 
 /* Block (head h, chunk c), Y_THREADS threads; the chunk's output rows in tiles of
  * YT. For a tile, thread j (one per column) walks seg[i][j], the serial sum of
@@ -90,19 +91,19 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
  * stores that tile of M = G * exp(seg) in shared memory (tiles of rows before r0,
  * which came from the state, only advance seg); then each thread forms 8
  * rows of one p: Y_diag = M . Xd (the chain over j ascending, Xd = x * dt staged
- * YJ rows at a time), Y_off = (C_i . h_prev) * exp(cs_i) and y = (Y_diag + Y_off) +
- * x * D into yb (packed tokens, di wide), for rows r0 <= i < n. */
+ * YJ rows at a time), Y_off = (C_i . h_prev) * exp(cs_i) (the chain over m, C and
+ * h_prev staged YM columns at a time) and y = (Y_diag + Y_off) + x * D into yb (packed tokens, di wide), for rows r0 <= i < n. */
 MB_KERNEL void MB_BOUNDS(Y_THREADS)
 mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
           const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
           float *yb)
 {
     __shared__ float Mt[YT][M2Q], Xd[YJ][SSD_HP];
+    __shared__ float Ct[YT][YM + 1], Ht[SSD_HP][YM + 1];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     const float *dAc = dA + ch * M2Q, *dtc = dt + ch * M2Q, *g = G + c * M2Q * M2Q;
     const int tid = threadIdx.x, p = tid % SSD_HP, rb = (tid / SSD_HP) * 8;
-    const float *hp = hck + (ch * SSD_HP + p) * SSD_NS;
     float seg = 0.0f; /* thread tid's column: seg[i][tid] of the last row walked */
     for (int64_t i0 = 0; i0 < n; i0 += YT) {
         const int64_t i1 = n - i0 < YT ? n : i0 + YT;
@@ -130,14 +131,28 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
                     if (j <= i0 + rb + r) yd[r] = fmaf(Mt[rb + r][j], xv, yd[r]);
             }
         }
+        float yo[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) yo[r] = 0.0f;
+        for (int m0 = 0; m0 < SSD_NS; m0 += YM) {
+            __syncthreads(); /* the previous columns are consumed */
+            for (int e = tid; e < YT * YM; e += Y_THREADS) {
+                const int64_t i = i0 + e / YM;
+                Ct[e / YM][e % YM] = i < n ? U[(e0 + i) * CD + di + SSD_NS + m0 + e % YM] : 0.0f;
+            }
+            for (int e = tid; e < SSD_HP * YM; e += Y_THREADS)
+                Ht[e / YM][e % YM] = hck[(ch * SSD_HP + e / YM) * SSD_NS + m0 + e % YM];
+            __syncthreads();
+#pragma unroll
+            for (int mm = 0; mm < YM; mm++)
+#pragma unroll
+                for (int r = 0; r < 8; r++) yo[r] = fmaf(Ct[rb + r][mm], Ht[p][mm], yo[r]);
+        }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int64_t i = i0 + rb + r;
             if (i < r0 || i >= n) continue;
-            const float *Ci = U + (e0 + i) * CD + di + SSD_NS;
-            float yo = 0.0f;
-            for (int m = 0; m < SSD_NS; m++) yo = fmaf(Ci[m], hp[m], yo);
-            const float y = (yd[r] + yo * mb_exp(cs[ch * M2Q + i])) +
+            const float y = (yd[r] + yo[r] * mb_exp(cs[ch * M2Q + i])) +
                             U[(e0 + i) * CD + h * SSD_HP + p] * D[h];
             yb[(d[4] + i - r0) * di + h * SSD_HP + p] = y;
         }
@@ -157,3 +172,4 @@ MB_KERNEL void mb_m2_gate_k(int64_t M, int64_t di, const float *zxd, int64_t NP,
 #undef Y_THREADS
 #undef YT
 #undef YJ
+#undef YM
