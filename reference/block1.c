@@ -10,41 +10,54 @@
 #include "scratch.h"
 
 #define NS MB_M1_NS
-#define CB 64          /* channels per scan task */
 
-/* The selective scan of one row over channels [c0, c0 + nc), h carried in place. */
-static void scan_block(int64_t len, int64_t di, int64_t R, int64_t c0, int64_t nc,
+/* p[0..n) into a vector (n <= MB_VW), the other lanes +0 */
+static inline mb_vf ld_lanes(const float *p, int n)
+{
+    return n == MB_VW ? mb_vld(p) : mb_vldn(p, n);
+}
+
+/* The selective scan of one row over channels [c0, c0 + nc), nc <= MB_VW: one
+ * channel per lane, the NS states of each channel in registers for the whole row
+ * (h carried in place). Padding lanes scan zeros and are not stored. */
+static void scan_lanes(int64_t len, int64_t di, int64_t R, int64_t c0, int nc,
                        const float *delta, const float *u, const float *xz,
                        const float *xdbl, const float *AT, const float *D,
                        float *h, float *yi)
 {
-    float hT[NS][CB], acc[CB];
     const int64_t XR = R + 2 * NS;
-    for (int64_t i = 0; i < nc; i++)
-        for (int n = 0; n < NS; n++)
-            hT[n][i] = h[(c0 + i) * NS + n];
-    for (int64_t t = 0; t < len; t++) {
-        const float *dl = delta + t * di + c0, *uu = u + t * di + c0;
-        const float *zz = xz + t * 2 * di + di + c0;
-        const float *Bv = xdbl + t * XR + R, *Cv = Bv + NS;
-        for (int64_t i = 0; i < nc; i++)
-            acc[i] = 0.0f;
-        for (int n = 0; n < NS; n++) {
-            const float bn = Bv[n], cn = Cv[n];
-            const float *a = AT + n * di + c0;
-            for (int64_t i = 0; i < nc; i++) {
-                float hv = mb_m1_h_next(mb_exp(dl[i] * a[i]), hT[n][i], dl[i], bn, uu[i]);
-                hT[n][i] = hv;
-                acc[i] = fmaf(cn, hv, acc[i]);
-            }
+    float a[NS][MB_VW], hs[NS][MB_VW];
+    mb_vf hv[NS];
+    for (int n = 0; n < NS; n++)
+        for (int i = 0; i < MB_VW; i++) {
+            a[n][i] = i < nc ? AT[n * di + c0 + i] : 0.0f;
+            hs[n][i] = i < nc ? h[(c0 + i) * NS + n] : 0.0f;
         }
-        float *yo = yi + t * di + c0;
-        for (int64_t i = 0; i < nc; i++)
-            yo[i] = (acc[i] + uu[i] * D[c0 + i]) * mb_silu(zz[i]);
+    for (int n = 0; n < NS; n++)
+        hv[n] = mb_vld(hs[n]);
+    const mb_vf Dv = ld_lanes(D + c0, nc);
+    for (int64_t t = 0; t < len; t++) {
+        const mb_vf dl = ld_lanes(delta + t * di + c0, nc), uu = ld_lanes(u + t * di + c0, nc);
+        const float *Bv = xdbl + t * XR + R, *Cv = Bv + NS;
+        mb_vf acc = mb_vzero();
+        MB_UNROLL
+        for (int n = 0; n < NS; n++) {
+            const mb_vf dA = mb_vexp(mb_vmul(dl, mb_vld(a[n])));
+            hv[n] = mb_m1_h_next_v(dA, hv[n], dl, mb_vbc(Bv + n), uu);
+            acc = mb_vfma(mb_vbc(Cv + n), hv[n], acc);
+        }
+        const mb_vf z = ld_lanes(xz + t * 2 * di + di + c0, nc);
+        const mb_vf y = mb_vmul(mb_vadd(acc, mb_vmul(uu, Dv)), mb_vsilu(z));
+        if (nc == MB_VW)
+            mb_vst(yi + t * di + c0, y);
+        else
+            mb_vstn(yi + t * di + c0, y, nc);
     }
-    for (int64_t i = 0; i < nc; i++)
+    for (int n = 0; n < NS; n++)
+        mb_vst(hs[n], hv[n]);
+    for (int i = 0; i < nc; i++)
         for (int n = 0; n < NS; n++)
-            h[(c0 + i) * NS + n] = hT[n][i];
+            h[(c0 + i) * NS + n] = hs[n][i];
 }
 
 void MB_ISA_FN(mb_m1_front)(const mb_m1_weights *w, int64_t B, const int64_t *off,
@@ -108,15 +121,14 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
         for (int n = 0; n < NS; n++)
             AT[n * di + c] = -mb_exp(w->A_log[c * NS + n]);
 
-    const int64_t nblk = (di + CB - 1) / CB;
+    const int64_t nblk = (di + MB_VW - 1) / MB_VW;
     #pragma omp parallel for schedule(dynamic) if (M * di > (1 << 12))
     for (int64_t task = 0; task < B * nblk; task++) {
         mb_fpenv env = mb_fpenv_enter();
-        int64_t b = task / nblk, c0 = (task % nblk) * CB;
-        int64_t nc = di - c0 < CB ? di - c0 : CB;
-        const int64_t o = off[b];
-        scan_block(off[b + 1] - o, di, R, c0, nc, delta + o * di, u + o * di, xz + o * 2 * di,
-                   xdbl + o * XR, AT, w->D, st->h + b * di * NS, yi + o * di);
+        const int64_t b = task / nblk, c0 = (task % nblk) * MB_VW, o = off[b];
+        scan_lanes(off[b + 1] - o, di, R, c0, di - c0 < MB_VW ? (int)(di - c0) : MB_VW,
+                   delta + o * di, u + o * di, xz + o * 2 * di, xdbl + o * XR, AT, w->D,
+                   st->h + b * di * NS, yi + o * di);
         mb_fpenv_exit(env);
     }
 

@@ -5,6 +5,7 @@
 #include <math.h>
 #include "mamba_ref.h"
 #include "isa.h"
+#include "simd.h"
 
 #define MB_M1_NS 16 /* d_state */
 
@@ -16,6 +17,17 @@ static inline float mb_m1_h_next(float dA, float h, float delta, float bn, float
     return dA * h + dBu;
 #else
     return fmaf(dA, h, dBu);
+#endif
+}
+
+/* The same, lane by lane. */
+static inline mb_vf mb_m1_h_next_v(mb_vf dA, mb_vf h, mb_vf delta, mb_vf bn, mb_vf u)
+{
+    const mb_vf dBu = mb_vmul(mb_vmul(delta, bn), u);
+#ifdef MB_SABOTAGE_UNFUSED_H
+    return mb_vadd(mb_vmul(dA, h), dBu);
+#else
+    return mb_vfma(dA, h, dBu);
 #endif
 }
 

@@ -65,9 +65,12 @@ typedef struct {
     const float *wp;    /* panel: wp[k*NR + j] = W[n0 + j][k], zero past N */
 } tile_arg;
 
-static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
+/* The tile's MR x NR chains over k in [k0, k0 + kl), the first mr rows stored into
+ * out (rows ldo apart). */
+static inline __attribute__((always_inline)) void tile_run(const tile_arg *a, int64_t k0,
+                                                           int64_t kl, float *out,
+                                                           int64_t ldo, int mr)
 {
-    const tile_arg *a = arg;
     const float *b = a->wp + k0 * NR, *x[MR];
     mb_vf c[MR][NV];
     for (int i = 0; i < MR; i++) {
@@ -85,8 +88,15 @@ static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
             for (int j = 0; j < NV; j++) c[i][j] = mb_vfma(v, bv[j], c[i][j]);
         }
     }
+    MB_UNROLL
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NV; j++) mb_vst(t + i * NR + j * MB_VW, c[i][j]);
+        if (i < mr)
+            for (int j = 0; j < NV; j++) mb_vst(out + i * ldo + j * MB_VW, c[i][j]);
+}
+
+static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
+{
+    tile_run(arg, k0, kl, t, NR, MR);
 }
 
 #ifdef MB_SIMD
@@ -176,6 +186,10 @@ static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
             for (int64_t m = m0; m < m1; m += MR) {
                 int mr = m1 - m < MR ? (int)(m1 - m) : MR;
                 for (int i = 0; i < MR; i++) a.x[i] = X + (m + (i < mr ? i : mr - 1)) * ldx;
+                if (K <= LEAF && nr == NR) { /* one leaf, whole columns: straight into Y */
+                    tile_run(&a, 0, K, Y + m * ldy + p * NR, ldy, mr);
+                    continue;
+                }
                 dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
                 for (int i = 0; i < mr; i++)
                     memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));

@@ -80,28 +80,41 @@ MB_FN float mb_rsqrt(float x)
     return 1.0f / sqrtf(x);
 }
 
+/* Cephes expf constants (simd.h's vector exp uses the same). */
+#define MB_EXP_HI 88.72283935546875f
+#define MB_EXP_LO -87.33654022216797f
+#define MB_EXP_LOG2E 1.44269504088896341f
+#define MB_EXP_C1 -0.693359375f
+#define MB_EXP_C2 2.12194440e-4f
+#define MB_EXP_P0 1.9875691500e-4f
+#define MB_EXP_P1 1.3981999507e-3f
+#define MB_EXP_P2 8.3334519073e-3f
+#define MB_EXP_P3 4.1665795894e-2f
+#define MB_EXP_P4 1.6666665459e-1f
+#define MB_EXP_P5 5.0000001201e-1f
+
 /* Cephes expf. The input is clamped before the integer conversion so that it stays
  * defined for every x (NaN included); the selects afterwards apply the thresholds. */
 MB_FN float mb_exp(float x)
 {
     MB_NOCONTRACT
-    const float hi = 88.72283935546875f, lo = -87.33654022216797f;
+    const float hi = MB_EXP_HI, lo = MB_EXP_LO;
     float xc = x > lo ? x : lo;
     xc = xc < hi ? xc : hi;
     /* z = floor(v) for v in [-125.5, 128.5], exactly, by truncation: floorf itself
      * does not vectorise under gcc's default -ftrapping-math. */
-    float v = fmaf(xc, 1.44269504088896341f, 0.5f);
+    float v = fmaf(xc, MB_EXP_LOG2E, 0.5f);
     int32_t k = (int32_t)v;
     k = mb_seli_(v < (float)k, k - 1, k);
     float z = (float)k;
-    float r = fmaf(z, -0.693359375f, xc);
-    r = fmaf(z, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
+    float r = fmaf(z, MB_EXP_C1, xc);
+    r = fmaf(z, MB_EXP_C2, r);
+    float p = MB_EXP_P0;
+    p = fmaf(p, r, MB_EXP_P1);
+    p = fmaf(p, r, MB_EXP_P2);
+    p = fmaf(p, r, MB_EXP_P3);
+    p = fmaf(p, r, MB_EXP_P4);
+    p = fmaf(p, r, MB_EXP_P5);
     float y = fmaf(p, r * r, r) + 1.0f;
     /* k is in [-126, 128]: two factors 2^k1, 2^k2 are normal and never overflow. */
     int32_t k1 = k >> 1, k2 = k - k1;

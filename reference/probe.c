@@ -1,9 +1,17 @@
 /* Elementwise evaluation of numerics.h for the accuracy and identity tests. */
 #include "numerics.h"
+#include "simd.h"
 #include "mamba_ref.h"
 #include "isa.h"
 
 #define EVAL(fn) for (int64_t i = 0; i < n; i++) y[i] = fn(x[i]); break
+/* whole vectors, then the last lanes of a partial one */
+#define VEVAL(fn)                                                                     \
+    for (int64_t i = 0; i < n; i += MB_VW) {                                          \
+        const int r = n - i < MB_VW ? (int)(n - i) : MB_VW;                           \
+        mb_vstn(y + i, fn(mb_vldn(x + i, r)), r);                                     \
+    }                                                                                 \
+    break
 
 int MB_ISA_FN(mb_math_eval)(int which, int64_t n, const float *x, float *y)
 {
@@ -19,6 +27,8 @@ int MB_ISA_FN(mb_math_eval)(int which, int64_t n, const float *x, float *y)
     case MB_MATH_SIN: EVAL(mb_sin);
     case MB_MATH_COS: EVAL(mb_cos);
     case MB_MATH_MOD2PI: EVAL(mb_mod2pi);
+    case MB_MATH_VEXP: VEVAL(mb_vexp);
+    case MB_MATH_VSILU: VEVAL(mb_vsilu);
     default: return -1;
     }
     return 0;

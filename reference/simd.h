@@ -1,10 +1,16 @@
 /* One vector of floats for the ISA copy being compiled (isa.h): 16 lanes under
  * AVX-512, 8 under AVX2 + FMA, and a plain float in the baseline copy (fmaf from
  * libm, correctly rounded). Kernels written against these names put vector lanes
- * across outputs only, each lane one fmaf chain, so the width never changes a bit. */
+ * across outputs only, each lane one fmaf chain, so the width never changes a bit.
+ *
+ * mb_vexp and mb_vsilu are numerics.h's mb_exp and mb_silu lane by lane, bit for
+ * bit (tests/test_numerics.py compares them on every ISA). Where the vector form
+ * takes a shortcut it is exact: floor by a rounding instruction instead of the
+ * truncation trick (the same integer), and under AVX-512 the scaling by 2^k as one
+ * vscalefps (the two-step scaling's first product is exact, so both round once). */
 #ifndef MB_SIMD_H
 #define MB_SIMD_H
-#include <math.h>
+#include "numerics.h"
 
 /* Kernels keep accumulator arrays in registers; that needs their short constant
  * loops unrolled completely. */
@@ -15,27 +21,97 @@
 #define MB_VW 16
 typedef __m512 mb_vf;
 static inline mb_vf mb_vzero(void) { return _mm512_setzero_ps(); }
+static inline mb_vf mb_vset(float x) { return _mm512_set1_ps(x); }
 static inline mb_vf mb_vld(const float *p) { return _mm512_loadu_ps(p); }
 static inline void mb_vst(float *p, mb_vf v) { _mm512_storeu_ps(p, v); }
 static inline mb_vf mb_vbc(const float *p) { return _mm512_set1_ps(*p); }
 static inline mb_vf mb_vfma(mb_vf a, mb_vf b, mb_vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline mb_vf mb_vadd(mb_vf a, mb_vf b) { return _mm512_add_ps(a, b); }
+static inline mb_vf mb_vmul(mb_vf a, mb_vf b) { return _mm512_mul_ps(a, b); }
+static inline mb_vf mb_vdiv(mb_vf a, mb_vf b) { return _mm512_div_ps(a, b); }
+/* the first n lanes (the others read nothing and load as +0 / are not written) */
+static inline mb_vf mb_vldn(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline void mb_vstn(float *p, mb_vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+static inline mb_vf mb_vneg(mb_vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u))); }
+
+static inline mb_vf mb_vexp(mb_vf x)
+{
+    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
+    const mb_vf xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi); /* x > lo ? x : lo, then < hi */
+    const mb_vf v = _mm512_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
+    const mb_vf z = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    mb_vf r = _mm512_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
+    r = _mm512_fmadd_ps(z, mb_vset(MB_EXP_C2), r);
+    mb_vf p = _mm512_fmadd_ps(mb_vset(MB_EXP_P0), r, mb_vset(MB_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P5));
+    mb_vf y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), mb_vset(1.0f));
+    y = _mm512_scalef_ps(y, z);
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), mb_vzero());
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), mb_vset(mb_u2f_(0x7f800000u)));
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_EQ_OQ), y);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_VW 8
 typedef __m256 mb_vf;
 static inline mb_vf mb_vzero(void) { return _mm256_setzero_ps(); }
+static inline mb_vf mb_vset(float x) { return _mm256_set1_ps(x); }
 static inline mb_vf mb_vld(const float *p) { return _mm256_loadu_ps(p); }
 static inline void mb_vst(float *p, mb_vf v) { _mm256_storeu_ps(p, v); }
 static inline mb_vf mb_vbc(const float *p) { return _mm256_broadcast_ss(p); }
 static inline mb_vf mb_vfma(mb_vf a, mb_vf b, mb_vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline mb_vf mb_vadd(mb_vf a, mb_vf b) { return _mm256_add_ps(a, b); }
+static inline mb_vf mb_vmul(mb_vf a, mb_vf b) { return _mm256_mul_ps(a, b); }
+static inline mb_vf mb_vdiv(mb_vf a, mb_vf b) { return _mm256_div_ps(a, b); }
+static inline __m256i mb_vmask_(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+static inline mb_vf mb_vldn(const float *p, int n) { return _mm256_maskload_ps(p, mb_vmask_(n)); }
+static inline void mb_vstn(float *p, mb_vf v, int n) { _mm256_maskstore_ps(p, mb_vmask_(n), v); }
+static inline mb_vf mb_vneg(mb_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+
+static inline mb_vf mb_vexp(mb_vf x)
+{
+    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
+    const mb_vf xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const mb_vf v = _mm256_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
+    const mb_vf z = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    mb_vf r = _mm256_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
+    r = _mm256_fmadd_ps(z, mb_vset(MB_EXP_C2), r);
+    mb_vf p = _mm256_fmadd_ps(mb_vset(MB_EXP_P0), r, mb_vset(MB_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P5));
+    mb_vf y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), mb_vset(1.0f));
+    const __m256i k = _mm256_cvtps_epi32(z), k1 = _mm256_srai_epi32(k, 1);
+    const __m256i k2 = _mm256_sub_epi32(k, k1), bias = _mm256_set1_epi32(127);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23)));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23)));
+    y = _mm256_blendv_ps(y, mb_vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    y = _mm256_blendv_ps(y, mb_vset(mb_u2f_(0x7f800000u)), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    return _mm256_blendv_ps(x, y, _mm256_cmp_ps(x, x, _CMP_EQ_OQ));
+}
 #else
 #define MB_VW 1
 typedef float mb_vf;
 static inline mb_vf mb_vzero(void) { return 0.0f; }
+static inline mb_vf mb_vset(float x) { return x; }
 static inline mb_vf mb_vld(const float *p) { return *p; }
 static inline void mb_vst(float *p, mb_vf v) { *p = v; }
 static inline mb_vf mb_vbc(const float *p) { return *p; }
 static inline mb_vf mb_vfma(mb_vf a, mb_vf b, mb_vf c) { return fmaf(a, b, c); }
+static inline mb_vf mb_vadd(mb_vf a, mb_vf b) { return a + b; }
+static inline mb_vf mb_vmul(mb_vf a, mb_vf b) { return a * b; }
+static inline mb_vf mb_vdiv(mb_vf a, mb_vf b) { return a / b; }
+static inline mb_vf mb_vldn(const float *p, int n) { (void)n; return *p; }
+static inline void mb_vstn(float *p, mb_vf v, int n) { (void)n; *p = v; }
+static inline mb_vf mb_vneg(mb_vf a) { return -a; }
+static inline mb_vf mb_vexp(mb_vf x) { return mb_exp(x); }
 #endif
+
+/* mb_silu: x / (1 + exp(-x)), one division */
+static inline mb_vf mb_vsilu(mb_vf x) { return mb_vdiv(x, mb_vadd(mb_vset(1.0f), mb_vexp(mb_vneg(x)))); }
 
 #endif
