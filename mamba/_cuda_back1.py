@@ -50,7 +50,7 @@ class Back1Mixin:
 
             # steps 1-4 of the forward, keeping the conv's and dt_proj's pre-activations
             xn, xz, pre, u = sc(M * dm), sc(M * 2 * di), sc(M * di), sc(M * di)
-            xdbl, spre, delta = sc(M * XR), sc(M * di), sc(M * di)
+            xdbl, spre, delta, dlu = sc(M * XR), sc(M * di), sc(M * di), sc(M * di)
             nparts = max(self._parts(M, 2 * di, dm), self._parts(M, XR, di),
                          self._parts(M, di, R))
             parts = sc(nparts) if nparts else 0
@@ -59,8 +59,8 @@ class Back1Mixin:
             self.g_conv_pre(s, B, L, di, xz, 2 * di, conv_w, conv_b, pre, di, u, di)
             self.gemm(s, M, XR, di, u, di, x_proj, di, xdbl, XR, parts)
             self.gemm(s, M, di, R, xdbl, XR, dt_w, R, spre, di, parts)
-            self._launch(s, "mb_m1b_prep_k", (grid(M * di),), C.THREADS, M, di, spre, dt_b,
-                         delta)
+            self._launch(s, "mb_m1b_prep_k", (grid(M * di),), C.THREADS, M, di, spre, dt_b, u,
+                         delta, dlu)
 
             # the gate's input gradient: dyg = dout . out_proj, dys = dyg * silu(z)
             dyg, dys = sc(M * di), sc(M * di)
@@ -69,8 +69,8 @@ class Back1Mixin:
 
             # the scan: carries, then windows of whole chunks
             yg, ds, dus, dxdbl, dxz = sc(M * di), sc(M * di), sc(M * di), sc(M * XR), sc(M * 2 * di)
-            self._m1_scan_bwd(s, sc, B, L, di, R, delta, u, xz, xdbl, spre, dyg, dys, A_log, D,
-                              yg, dxz, ds, dus, dxdbl, g_A)
+            self._m1_scan_bwd(s, sc, B, L, di, R, delta, dlu, u, xz, xdbl, spre, dyg, dys, A_log,
+                              D, yg, dxz, ds, dus, dxdbl, g_A)
 
             # per-channel vectors and the projections
             self.g_colfold(s, sc, B, L, di, dys, di, g_D, b=u, ldb=di)
@@ -94,8 +94,8 @@ class Back1Mixin:
             self.g_add(s, M * dm, g_x, dyd, g_x)
             self._finish(st, back)
 
-    def _m1_scan_bwd(self, s, sc, B, L, di, R, delta, u, xz, xdbl, spre, dyg, dys, A_log, D,
-                     yg, dxz, ds, dus, dxdbl, g_A):
+    def _m1_scan_bwd(self, s, sc, B, L, di, R, delta, dlu, u, xz, xdbl, spre, dyg, dys, A_log,
+                     D, yg, dxz, ds, dus, dxdbl, g_A):
         from . import _cuda as C
         M, per, nch = B * L, di * NS, _cdiv(L, TC)
         ck, hk = sc(B * nch * 2 * per), sc(B * nch * per)
@@ -115,7 +115,7 @@ class Back1Mixin:
                          CHUNK_THREADS, L, di, R, j0, j1 - j0, m0, delta, u, xz, xdbl, spre, dyg,
                          dys, A_log, D, ck, hk, H, DH, WV, yg, dxz, ds, dus)
             self._launch(s, "mb_m1b_fold_bc_k", (self._grid((m1 - m0) * NS),), C.THREADS,
-                         di, R, m0, m1 - m0, delta, u, dys, H, DH, dxdbl)
+                         di, R, m0, m1 - m0, dlu, dys, H, DH, dxdbl)
             self._launch(s, "mb_m1b_fold_a_k", (self._grid(per),), C.THREADS,
                          di, m0, m1, delta, WV, leaves)
         self._launch(s, "mb_m1b_alog_k", (self._grid(per),), C.THREADS, per, P, leaves, A_log,

@@ -13,7 +13,8 @@
  * by the host): mb_m1b_fold_bc_k (dB, dC: chains over channels per token) and
  * mb_m1b_fold_a_k (A_log: chains over flat tokens per (c, n), continued from window
  * to window, cut into 8192-leaves that mb_m1b_alog_k joins). Window buffers are
- * indexed ((m - m0) di + c) 16 + n for flat token m of a window starting at m0. */
+ * indexed ((m - m0) 16 + n) di + c for flat token m of a window starting at m0, so
+ * that a warp's channels meet in memory. */
 #include "vendor.h"
 #include "numerics.h"
 
@@ -26,13 +27,16 @@ MB_DEV float m1b_h_next(float dA, float h, float delta, float bn, float u)
     return fmaf(dA, h, (delta * bn) * u);
 }
 
-/* dt_proj's output plus bias (in place: spre) and delta = softplus(spre). */
-MB_KERNEL void mb_m1b_prep_k(int64_t M, int64_t di, float *dtp, const float *dt_b, float *delta)
+/* dt_proj's output plus bias (in place: spre), delta = softplus(spre) and dlu =
+ * delta * u (dB's factor, rounded once as reference/back1.c's fold_bc rounds it). */
+MB_KERNEL void mb_m1b_prep_k(int64_t M, int64_t di, float *dtp, const float *dt_b,
+                             const float *u, float *delta, float *dlu)
 {
     MB_GRID_LOOP(i, M * di) {
-        const float s = dtp[i] + dt_b[i % di];
+        const float s = dtp[i] + dt_b[i % di], dl = mb_softplus(s);
         dtp[i] = s;
-        delta[i] = mb_softplus(s);
+        delta[i] = dl;
+        dlu[i] = dl * u[i];
     }
 }
 
@@ -121,7 +125,7 @@ MB_KERNEL void mb_m1b_chunk_k(int64_t L, int64_t di, int64_t R, int64_t j0, int6
             x[n] = p[per + n];
         }
         for (int64_t t = t1 - 1; t >= t0; t--) {
-            const int64_t m = b * L + t, w = ((m - m0) * di + c) * NS;
+            const int64_t m = b * L + t, w = (m - m0) * per + c;
             const float dl = delta[m * di + c], dy = dys[m * di + c];
             const float *Cv = xdbl + m * XR + R + NS;
 #pragma unroll
@@ -129,27 +133,27 @@ MB_KERNEL void mb_m1b_chunk_k(int64_t L, int64_t di, int64_t R, int64_t j0, int6
                 const float dA = mb_exp(dl * a[n]);
                 x[n] = fmaf(v[n], x[n], Cv[n] * dy);
                 v[n] = dA;
-                WV[w + n] = dA;
-                DH[w + n] = x[n];
+                WV[w + n * di] = dA;
+                DH[w + n * di] = x[n];
             }
         }
         const float *hp0 = hk + (b * nch + k) * per + c * NS;
 #pragma unroll
         for (int n = 0; n < NS; n++) v[n] = hp0[n];
         for (int64_t t = t0; t < t1; t++) {
-            const int64_t m = b * L + t, w = ((m - m0) * di + c) * NS, e = m * di + c;
+            const int64_t m = b * L + t, w = (m - m0) * per + c, e = m * di + c;
             const float dl = delta[e], uu = u[e];
             const float *Bv = xdbl + m * XR + R, *Cv = Bv + NS;
             float acc = 0.0f, sA = 0.0f, sB = 0.0f;
 #pragma unroll
             for (int n = 0; n < NS; n++) {
-                const float dA = WV[w + n], dh = DH[w + n], hp = v[n], bn = Bv[n];
+                const float dA = WV[w + n * di], dh = DH[w + n * di], hp = v[n], bn = Bv[n];
                 const float hn = m1b_h_next(dA, hp, dl, bn, uu);
                 v[n] = hn;
-                H[w + n] = hn;
+                H[w + n * di] = hn;
                 acc = fmaf(Cv[n], hn, acc);
                 const float wv = (dh * hp) * dA;
-                WV[w + n] = wv;
+                WV[w + n * di] = wv;
                 sA = fmaf(wv, a[n], sA);
                 sB = fmaf(dh, bn, sB);
             }
@@ -164,27 +168,23 @@ MB_KERNEL void mb_m1b_chunk_k(int64_t L, int64_t di, int64_t R, int64_t j0, int6
 }
 
 /* Tokens [m0, m0 + nm), one thread per (token, n): dB[n] = dot v1 over channels of
- * dh[c][n] * (delta[c] * u[c]), dC[n] = dot v1 over channels of dys[c] * h[c][n],
- * into dxdbl's B and C columns. */
-MB_KERNEL void mb_m1b_fold_bc_k(int64_t di, int64_t R, int64_t m0, int64_t nm,
-                                const float *delta, const float *u, const float *dys,
-                                const float *H, const float *DH, float *dxdbl)
+ * dh[c][n] * dlu[c], dC[n] = dot v1 over channels of dys[c] * h[c][n], into dxdbl's B
+ * and C columns. */
+MB_KERNEL void mb_m1b_fold_bc_k(int64_t di, int64_t R, int64_t m0, int64_t nm, const float *dlu,
+                                const float *dys, const float *H, const float *DH, float *dxdbl)
 {
     const int64_t XR = R + 2 * NS;
     MB_GRID_LOOP(i, nm * NS) {
         const int64_t r = i / NS, n = i % NS, m = m0 + r;
-        const float *dl = delta + m * di, *uu = u + m * di, *dy = dys + m * di;
-        const float *h = H + r * di * NS + n, *dh = DH + r * di * NS + n;
+        const float *du = dlu + m * di, *dy = dys + m * di;
+        const float *h = H + (r * NS + n) * di, *dh = DH + (r * NS + n) * di;
         mb_dot_tree tB, tC;
         tB.top = tC.top = 0;
         float oB = 0.0f, oC = 0.0f;
         for (int64_t s = 0; s < di; s += MB_DOT_LEAF) {
             const int64_t e = s + MB_DOT_LEAF < di ? s + MB_DOT_LEAF : di;
-            float aB = 0.0f, aC = 0.0f;
-            for (int64_t c = s; c < e; c++) {
-                aB = fmaf(dh[c * NS], dl[c] * uu[c], aB);
-                aC = fmaf(dy[c], h[c * NS], aC);
-            }
+            const float aB = mb_chain_run<true>(0.0f, e - s, dh + s, 1, du + s, 1);
+            const float aC = mb_chain_run<true>(0.0f, e - s, dy + s, 1, h + s, 1);
             if (di <= MB_DOT_LEAF) {
                 oB = aB;
                 oC = aC;
@@ -202,7 +202,7 @@ MB_KERNEL void mb_m1b_fold_bc_k(int64_t di, int64_t R, int64_t m0, int64_t nm,
     }
 }
 
-/* One thread per (c, n): A_log's chain g = fma(w_t, delta_t, g) over the window's
+/* One thread per (n, c): A_log's chain g = fma(w_t, delta_t, g) over the window's
  * flat tokens [m0, m1), continuing the chain of leaf m0 / 8192 from leaves (unless a
  * leaf starts at m0) and leaving each leaf's value at leaves[p di 16 + c 16 + n]. */
 MB_KERNEL void mb_m1b_fold_a_k(int64_t di, int64_t m0, int64_t m1, const float *delta,
@@ -210,16 +210,19 @@ MB_KERNEL void mb_m1b_fold_a_k(int64_t di, int64_t m0, int64_t m1, const float *
 {
     const int64_t per = di * NS;
     MB_GRID_LOOP(i, per) {
-        const int64_t c = i / NS;
-        float g = m0 % MB_DOT_LEAF == 0 ? 0.0f : leaves[(m0 / MB_DOT_LEAF) * per + i];
-        for (int64_t m = m0; m < m1; m++) {
+        const int64_t c = i % di, o = c * NS + i / di;
+        float g = m0 % MB_DOT_LEAF == 0 ? 0.0f : leaves[(m0 / MB_DOT_LEAF) * per + o];
+        for (int64_t m = m0; m < m1;) {
             if (m > m0 && m % MB_DOT_LEAF == 0) {
-                leaves[(m / MB_DOT_LEAF - 1) * per + i] = g;
+                leaves[(m / MB_DOT_LEAF - 1) * per + o] = g;
                 g = 0.0f;
             }
-            g = fmaf(WV[(m - m0) * per + i], delta[m * di + c], g);
+            const int64_t e = (m / MB_DOT_LEAF + 1) * MB_DOT_LEAF < m1 ?
+                              (m / MB_DOT_LEAF + 1) * MB_DOT_LEAF : m1;
+            g = mb_chain_run<true>(g, e - m, WV + (m - m0) * per + i, per, delta + m * di + c, di);
+            m = e;
         }
-        leaves[((m1 - 1) / MB_DOT_LEAF) * per + i] = g;
+        leaves[((m1 - 1) / MB_DOT_LEAF) * per + o] = g;
     }
 }
 

@@ -14,6 +14,7 @@
 #define GR_KC 64       /* columns per shared-memory stage of it (divides 8192) */
 #define GR_THREADS 128
 #define TAPS 4
+#define GR_U 16        /* terms of a chain loaded ahead (mb_chain_run) */
 
 /* silu'(z) = s (1 + z (1 - s)), s = sigmoid(z), each operation rounded: the device
  * twin of reference/grad.h's mb_dsilu (that header is host-only). */
@@ -21,6 +22,40 @@ MB_DEV float mb_dsilu(float z)
 {
     const float s = mb_sigmoid(z);
     return s * (1.0f + z * (1.0f - s));
+}
+
+/* acc continued over k in [0, n), k ascending, by fma(a[k sa], b[k sb], acc) (PROD)
+ * or acc + a[k sa]. A thread walking a chain alone has nothing to hide global memory's
+ * latency behind, so the next GR_U terms are loaded while the current GR_U are walked. */
+template <bool PROD>
+MB_DEV float mb_chain_run(float acc, int64_t n, const float *a, int64_t sa, const float *b,
+                          int64_t sb)
+{
+    float ca[GR_U], cb[GR_U], na[GR_U], nb[GR_U];
+    const int64_t full = n / GR_U * GR_U;
+#define MB_RUN_LOAD(va, vb, k0)                                                        \
+    _Pragma("unroll") for (int j = 0; j < GR_U; j++) {                                \
+        va[j] = a[((k0) + j) * sa];                                                   \
+        if (PROD) vb[j] = b[((k0) + j) * sb];                                         \
+    }
+    if (full > 0) MB_RUN_LOAD(ca, cb, 0)
+    for (int64_t k = 0; k < full; k += GR_U) {
+        const bool more = k + GR_U < full;
+        if (more) MB_RUN_LOAD(na, nb, k + GR_U)
+#pragma unroll
+        for (int j = 0; j < GR_U; j++) acc = PROD ? fmaf(ca[j], cb[j], acc) : acc + ca[j];
+        if (more) {
+#pragma unroll
+            for (int j = 0; j < GR_U; j++) {
+                ca[j] = na[j];
+                cb[j] = nb[j];
+            }
+        }
+    }
+#undef MB_RUN_LOAD
+    for (int64_t k = full; k < n; k++)
+        acc = PROD ? fmaf(a[k * sa], b[k * sb], acc) : acc + a[k * sa];
+    return acc;
 }
 
 /* dst[c * ldd + r] = src[r * lds + c]; grid (x over column tiles, y over row tiles),
@@ -112,7 +147,8 @@ MB_KERNEL void mb_rms_bwd_apply_k(int64_t M, int64_t n, const float *x, int64_t 
 
 /* Leaf p of column c of mb_colfold: the chain over flat tokens k in [8192 p,
  * min(8192 (p + 1), B L)), t = k % L, skipping t < shift, of a[k lda + c] *
- * b[(k - shift) ldb + c] (b NULL: a plain sum), into out[p * ldp + c * so]. */
+ * b[(k - shift) ldb + c] (b NULL: a plain sum), into out[p * ldp + c * so]. The leaf
+ * is walked row by row: row r's terms are the run [r L + shift, (r + 1) L). */
 MB_KERNEL void mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int64_t lda,
                             const float *b, int64_t ldb, int64_t shift, int64_t P, float *out,
                             int64_t so, int64_t ldp)
@@ -121,14 +157,13 @@ MB_KERNEL void mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int
     MB_GRID_LOOP(i, n * P) {
         const int64_t c = i % n, p = i / n;
         const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
-        int64_t t = k0 % L;
         float acc = 0.0f;
-        if (b) {
-            for (int64_t k = k0; k < k1; k++, t = t + 1 == L ? 0 : t + 1)
-                if (t >= shift) acc = fmaf(a[k * lda + c], b[(k - shift) * ldb + c], acc);
-        } else {
-            for (int64_t k = k0; k < k1; k++, t = t + 1 == L ? 0 : t + 1)
-                if (t >= shift) acc = acc + a[k * lda + c];
+        for (int64_t r0 = k0 - k0 % L; r0 < k1; r0 += L) {
+            const int64_t s = r0 + shift > k0 ? r0 + shift : k0, e = r0 + L < k1 ? r0 + L : k1;
+            if (s >= e) continue;
+            acc = b ? mb_chain_run<true>(acc, e - s, a + s * lda + c, lda,
+                                         b + (s - shift) * ldb + c, ldb)
+                    : mb_chain_run<false>(acc, e - s, a + s * lda + c, lda, NULL, 0);
         }
         out[p * ldp + c * so] = acc;
     }
@@ -136,23 +171,31 @@ MB_KERNEL void mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int
 
 /* Leaf p of group g of mb_fold_flat: the chain over flat indices k = r * cols + c in
  * [8192 p, min(8192 (p + 1), rows cols)) of a[g ga + r lda + c] * b[g gb + r ldb + c]
- * (b NULL: a plain sum), into out[p * ldp + g * so]. */
+ * (b NULL: a plain sum), into out[p * ldp + g * so]. Walked as one strided run when
+ * the flat index is one (a single column, or rows packed at their width), else as the
+ * runs of each row's columns. */
 MB_KERNEL void mb_fold_flat_k(int64_t rows, int64_t cols, const float *a, int64_t lda,
                               const float *b, int64_t ldb, int64_t G, int64_t ga, int64_t gb,
                               int64_t P, float *out, int64_t so, int64_t ldp)
 {
     const int64_t K = rows * cols;
+    const bool flat = cols == 1 || (lda == cols && (!b || ldb == cols));
+    const int64_t sa = cols == 1 ? lda : 1, sb = cols == 1 ? ldb : 1;
     MB_GRID_LOOP(i, G * P) {
         const int64_t g = i % G, p = i / G;
         const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
         const float *ag = a + g * ga, *bg = b ? b + g * gb : NULL;
-        int64_t r = k0 / cols, c = k0 % cols;
         float acc = 0.0f;
-        for (int64_t k = k0; k < k1; k++) {
-            acc = bg ? fmaf(ag[r * lda + c], bg[r * ldb + c], acc) : acc + ag[r * lda + c];
-            if (++c == cols) {
-                c = 0;
-                r++;
+        if (flat) {
+            acc = bg ? mb_chain_run<true>(acc, k1 - k0, ag + k0 * sa, sa, bg + k0 * sb, sb)
+                     : mb_chain_run<false>(acc, k1 - k0, ag + k0 * sa, sa, NULL, 0);
+        } else {
+            for (int64_t r = k0 / cols; r * cols < k1; r++) {
+                const int64_t s = r * cols > k0 ? r * cols : k0;
+                const int64_t e = (r + 1) * cols < k1 ? (r + 1) * cols : k1;
+                const float *ar = ag + r * lda + (s - r * cols);
+                acc = bg ? mb_chain_run<true>(acc, e - s, ar, 1, bg + r * ldb + (s - r * cols), 1)
+                         : mb_chain_run<false>(acc, e - s, ar, 1, NULL, 0);
             }
         }
         out[p * ldp + g * so] = acc;
@@ -215,3 +258,4 @@ MB_KERNEL void mb_add_k(int64_t n, const float *a, const float *b, float *out)
 #undef GR_KC
 #undef GR_THREADS
 #undef TAPS
+#undef GR_U
