@@ -21,11 +21,29 @@ def _m2_binding_limit(w):
     return dict(dt_limit=(0.8 * sp, 1.25 * sp))
 
 
+def _m3_stress(w):
+    """In place: angles that wrap past 2 pi every few tokens, both ways (the angle
+    rows of in_proj x 20 put tanh near +-1; dt_bias -1 makes dt about 0.3), and head
+    0's A on its floor wherever dd_A < -9999 (its dd_A row x 20000 spreads dd_A over
+    a few 1e4 of either sign); test_m3_stress_wraps_and_floors checks both."""
+    dm = len(floats(w["block_norm.weight"]))
+    di, H = 2 * dm, dm // 32
+    a = 2 * di + 256 + H  # in_proj row of head 0's dd_A
+    inp = memoryview(w["in_proj.weight"]).cast("B").cast("f")
+    for r, f in [(a, 20000.0)] + [(r, 20.0) for r in range(a + 2 * H, a + 2 * H + 32)]:
+        for c in range(r * dm, (r + 1) * dm):
+            inp[c] = inp[c] * f
+    bias = memoryview(w["dt_bias"]).cast("B").cast("f")
+    for h in range(H):
+        bias[h] = -1.0
+    return w
+
+
 # block -> d_model, the lengths and batch sizes of the identity lane (the lengths cross
 # the backward's chunking: below, on and past a chunk, and several chunks), the shape
 # (B, L, d_model) of a call whose B * L folds span more than one 8192-token leaf, what
 # numeric_mode="fast" does ("identical": the identical path, same bits), and optionally
-# ctor: weights -> extra constructor arguments
+# ctor: weights -> extra constructor arguments, weights: weights -> the weights to use
 GRAD_BLOCKS = {
     # the scan's reverse pass keeps a carry every 32 tokens
     "mamba1": dict(d_model=32, lengths=(1, 31, 32, 33, 257), batches=(1, 3),
@@ -33,6 +51,10 @@ GRAD_BLOCKS = {
     # chunks of 256: the dh chain runs over 1, 2 and 3 chunks; one head
     "mamba2": dict(d_model=32, lengths=(1, 255, 256, 257, 513), batches=(1, 3),
                    leaves=(2, 4100, 32), fast="identical", ctor=_m2_binding_limit),
+    # chunks of 64: the dh chain runs over 1, 2 and 3 chunks; two heads, one with its
+    # A floor binding on some tokens, angles wrapping past 2 pi
+    "mamba3": dict(d_model=64, lengths=(1, 63, 64, 65, 129), batches=(1, 3),
+                   leaves=(2, 4100, 32), fast="identical", weights=_m3_stress),
 }
 
 CASES = [(n, B, L) for n, spec in GRAD_BLOCKS.items() for B in spec["batches"]
@@ -65,8 +87,8 @@ def assert_same_gradients(got, want, what):
 
 
 def _block(name, dm, seed, **kw):
-    """make(), plus the registry's constructor arguments for these weights."""
-    w = mamba.random_weights(name, dm, seed=seed)
+    """make(), with the registry's weights and constructor arguments."""
+    w = GRAD_BLOCKS[name].get("weights", lambda w: w)(mamba.random_weights(name, dm, seed=seed))
     return BLOCKS[name]["cls"](w, **GRAD_BLOCKS[name].get("ctor", lambda w: {})(w), **kw)
 
 
@@ -153,6 +175,25 @@ def test_m2_dt_limit_binds():
     for lim in ((lo, math.inf), (0.0, hi)):
         other = mamba.Mamba2Block(w, dt_limit=lim, backend="cpu").backward(x, dy)
         assert raw(other["dt_bias"]) != g, f"dt_limit {(lo, hi)}: lifting to {lim} changes nothing"
+
+
+def test_m3_stress_wraps_and_floors():
+    """The registry's Mamba-3 weights (CPU, float64 projections): in the largest case of
+    the lane, head 0's A floor binds on some tokens and not on others, head 1's nowhere,
+    and every head's angles wrap past 2 pi both ways."""
+    np = pytest.importorskip("numpy")
+    from mamba._oracle64 import oracle3
+    B, L = max(GRAD_BLOCKS["mamba3"]["batches"]), max(GRAD_BLOCKS["mamba3"]["lengths"])
+    blk = _block("mamba3", GRAD_BLOCKS["mamba3"]["d_model"], B + L, backend="cpu")
+    w = {k: np.asarray(v, np.float64) for k, v in zip(blk._W_NAMES, blk._w)}
+    x, _ = _inputs((B, L, blk.d_model), 7 * L + B)
+    t = oracle3.project(w, np.asarray(x, np.float64))
+    floored = t["dd_A"] < -9999
+    assert floored[..., 0].any() and not floored[..., 0].all(), "head 0: the floor binds somewhere"
+    assert not floored[..., 1:].any(), "the other heads are a control"
+    turns = np.floor(np.cumsum(t["ang"][:, :, None, :] * t["dt"][..., None], axis=1) / (2 * np.pi))
+    assert (turns.max(axis=(1, 3)) >= 2).all() and (turns.min(axis=(1, 3)) <= -2).all(), \
+        "the angles must wrap past 2 pi both ways in every row and head"
 
 
 def test_registry_names_known_blocks():

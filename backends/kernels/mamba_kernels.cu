@@ -13,3 +13,4 @@
 #include "ssd3.cu"
 #include "grad.cu"
 #include "back1.cu"
+#include "back3.cu"

@@ -11,11 +11,21 @@
  *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
  *                   with hin, the fold itself (the h_last report).
  *   mb_m3_y_k       the gated output of a chunk and head per block.
- *   mb_m3_last_k    the k_last and v_last reports. */
+ *   mb_m3_last_k    the k_last and v_last reports.
+ * The backward (back3.cu) includes this file for m3_heavy_tail, m3_rotate, m3_scale and
+ * the sizes M3Q, M3A. */
+#ifndef MB_SSD3_CU
+#define MB_SSD3_CU
 #include "ssd.cu"
 
 #define M3Q 64
 #define M3A 32 /* rotary angles */
+
+/* upstream main's heavy-tail A before its floor: -(x >= 0 ? 1 + x : 1 / (1 - x)) */
+MB_DEV float m3_heavy_tail(float x)
+{
+    return -(x >= 0.0f ? 1.0f + x : 1.0f / (1.0f - x));
+}
 
 /* Grid (x over the row's tokens * (H + M3A), y over rows). zx rows are in_proj's
  * (z | x | B | C | dd_dt | dd_A | trap | angle); Bn, Cn the normed B and C. */
@@ -38,7 +48,7 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
             }
             const int64_t h = j, e = (e0 + t) * H + h;
             const float dA = r[oA + h];
-            float A = -(dA >= 0.0f ? 1.0f + dA : 1.0f / (1.0f - dA));
+            float A = m3_heavy_tail(dA);
             A = A > -1e-4f ? -1e-4f : A;
             const float dt = mb_softplus(r[oDT + h] + dt_bias[h]);
             const float sig = mb_sigmoid(r[oTR + h]);
@@ -54,39 +64,54 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
     }
 }
 
-/* One thread per (row, head, angle r): theta = mod2pi(theta + ta * dt) token by
- * token, then pair (2r, 2r + 1) of the biased q and k rotated by it, and dims
- * 64 + 2r, 64 + 2r + 1 copied unrotated. theta (B, H, M3A) ends after the row's
- * last token; theta_last (optional) receives the same. */
+/* Row b, head h, angle r: theta = mod2pi(theta + ta * dt) token by token, then pair
+ * (2r, 2r + 1) of the biased q and k rotated by it, and dims 64 + 2r, 64 + 2r + 1
+ * copied unrotated. theta (B, H, M3A) ends after the row's last token; theta_last
+ * (optional) receives the same; rot (optional) each token's cos and sin at
+ * rot[(e * M3A + r) * 2 + {0, 1}], e = ext row * H + h. */
+MB_DEV void m3_rotate(int64_t i, int64_t H, const int64_t *off, const int64_t *eoff,
+                      const int64_t *t0, const float *Bn, const float *Cn, const float *B_bias,
+                      const float *C_bias, const float *TA, const float *DT, float *theta,
+                      float *Q, float *K, float *theta_last, float *rot)
+{
+    const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
+    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+    float th = theta[i];
+    const int64_t e0 = eoff[b] + t0[b];
+    for (int64_t t = 0; t < off[b + 1] - off[b]; t++) {
+        const int64_t tok = off[b] + t, e = (e0 + t) * H + h;
+        th = mb_mod2pi(th + TA[tok * M3A + r] * DT[e]);
+        const float cs = mb_cos(th), sn = mb_sin(th);
+        if (rot) {
+            rot[(e * M3A + r) * 2] = cs;
+            rot[(e * M3A + r) * 2 + 1] = sn;
+        }
+        const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
+        float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
+        const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
+        const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
+        qo[2 * r] = (q0 * cs) - (q1 * sn);
+        qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
+        ko[2 * r] = (k0 * cs) - (k1 * sn);
+        ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
+        for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
+            qo[m] = c[m] + cb[m];
+            ko[m] = k[m] + kb[m];
+        }
+    }
+    theta[i] = th;
+    if (theta_last) theta_last[i] = th;
+}
+
+/* One thread per (row, head, angle): m3_rotate. */
 MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *Bn, const float *Cn,
                               const float *B_bias, const float *C_bias, const float *TA,
                               const float *DT, float *theta, float *Q, float *K, float *theta_last)
 {
     MB_GRID_LOOP(i, B * H * M3A) {
-        const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
-        const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
-        float th = theta[i];
-        const int64_t e0 = eoff[b] + t0[b];
-        for (int64_t t = 0; t < off[b + 1] - off[b]; t++) {
-            const int64_t tok = off[b] + t, e = (e0 + t) * H + h;
-            th = mb_mod2pi(th + TA[tok * M3A + r] * DT[e]);
-            const float cs = mb_cos(th), sn = mb_sin(th);
-            const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
-            float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-            const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
-            const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
-            qo[2 * r] = (q0 * cs) - (q1 * sn);
-            qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
-            ko[2 * r] = (k0 * cs) - (k1 * sn);
-            ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
-            for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
-                qo[m] = c[m] + cb[m];
-                ko[m] = k[m] + kb[m];
-            }
-        }
-        theta[i] = th;
-        if (theta_last) theta_last[i] = th;
+        m3_rotate(i, H, off, eoff, t0, Bn, Cn, B_bias, C_bias, TA, DT, theta, Q, K, theta_last,
+                  NULL);
     }
 }
 
@@ -282,5 +307,4 @@ MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const flo
     }
 }
 
-#undef M3Q
-#undef M3A
+#endif

@@ -1,0 +1,144 @@
+"""The Mamba-3 backward on the CUDA backend (kernels: backends/kernels/back3.cu).
+
+The C reference (reference/back3.c, docs/numerics.md "Backward (Mamba-3)") first
+reruns the forward, keeping what the backward reads; here the forward's own kernels
+(ssd3.cu, through the device functions back3.cu shares with them) do that on the
+chunk layout of a zero-state prefill, where ext rows are the packed tokens. The
+backward then runs chunk-parallel: the only serial pieces are the dh chain over a
+row's chunks (mb_m3b_dchain_k) and the angle gradient over its tokens
+(mb_m3b_theta_k). The projections, norms and folds are the shared building blocks
+of _cuda_grad.py. Every value is produced by the reference's own sequence of float
+operations, so no launch shape changes a bit.
+"""
+from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, Y_THREADS, _Plan
+
+THREADS = 256
+CHUNK_THREADS = 256                      # back3.cu B3_THREADS
+CHUNK_SMEM = 4 * (8 * M3_Q + 2 * M3_Q * HP + 3 * (M3_Q * (M3_Q - 1) // 2))  # back3.cu B3_SMEM
+_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "mb_m3_y_k",
+            "mb_m2_gate_k", "mb_m3b_rotate_k", "mb_m3b_sd_k", "mb_m3b_dchain_k", "mb_m3b_chunk_k",
+            "mb_m3b_theta_k", "mb_m3b_token_k", "mb_m3b_heads_k")
+
+
+class Back3Mixin:
+    """CudaBackend's m3_backward."""
+
+    def _b3_kernels(self):
+        if "mb_m3b_chunk_k" not in self.fn:
+            self._kernels(*_KERNELS)
+            self._ck(self.cu.cuFuncSetAttribute(
+                self.fn["mb_m3b_chunk_k"],
+                self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                CHUNK_SMEM), "cuFuncSetAttribute(mb_m3b_chunk_k)")
+
+    def m3_backward(self, w, d_model, x, dy, gx, gw):
+        """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
+        into gx and gw (the weights' order): device outputs are written in place,
+        host ones copied back."""
+        self._b3_kernels()
+        self._enter()
+        st = self.stream()
+        s = st.cu
+        dm, B, L = d_model, x.shape[0], x.shape[1]
+        di = 2 * dm
+        H = di // HP
+        NP = 2 * di + 2 * NS + 3 * H + NA
+        oB, oC, oDT = 2 * di, 2 * di + NS, 2 * di + 2 * NS
+        oANG = oDT + 3 * H
+        norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
+        plan = _Plan(B, L, None, 0, M3_Q, True)
+        M, NC, per = plan.M, plan.NC, HP * NS
+        rows = self._rows_grid
+        from ._cuda import _Scratch  # _cuda imports this module
+        with _Scratch(self, st) as sc:
+            I = plan.upload(sc)
+            I["M"], I["r"] = M, sc(M)
+            back = []
+            out = []
+            for a in (gx,) + tuple(gw):
+                out.append(a.ptr if a.device == self.name else sc(a.size))
+                if a.device != self.name:
+                    back.append((a, out[-1]))
+            g_x, g_norm, g_in, g_dtb, g_Bn, g_Cn, g_Bb, g_Cb, g_D, g_out = out
+            dyd = self._on_device(sc, dy)
+            nparts = self._parts(M, NP, dm)
+            xd, xn, zx = self._front(s, sc, B, L, None, I, x, dm, norm_w, in_proj, NP,
+                                     sc(nparts) if nparts else 0, False)
+
+            # the forward again: B and C norms, per-token values, rotation, chunk
+            # states, the gated output
+            Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
+            for col, wn, o in ((oB, Bn_w, Bn), (oC, Cn_w, Cn)):
+                self._launch(s, "mb_ssd_put_k", rows(L * NS, B), THREADS,
+                             B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
+                self._rmsnorm(s, False, M, NS, raw, wn, o, I["r"])
+            Q, K, V = sc(M * H * NS), sc(M * H * NS), sc(M * di)
+            DT, SIG, ADT, QKG, TA = sc(M * H), sc(M * H), sc(M * H), sc(M * H), sc(M * NA)
+            self._launch(s, "mb_m3_prep_k", rows(L * (H + NA), B), THREADS,
+                         B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
+                         B_bias, C_bias, DT, SIG, ADT, QKG, TA)
+            self._launch(s, "mb_ssd_put_k", rows(L * di, B), THREADS,
+                         B, I["off"], I["eoff"], I["t0"], di, zx + 4 * di, NP, V)
+            theta, ROT = sc(B * H * NA), sc(M * H * NA * 2)
+            self._ck(self.cu.cuMemsetD32Async(theta, 0, B * H * NA, s), "cuMemsetD32Async")
+            self._launch(s, "mb_m3b_rotate_k", (self._grid(B * H * NA),), THREADS,
+                         B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, TA, DT,
+                         theta, Q, K, ROT)
+            S, Ec, hck, h0 = sc(NC * H * per), sc(NC * H), sc(NC * H * per), sc(B * H * per)
+            self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s), "cuMemsetD32Async")
+            self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
+                         I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), THREADS,
+                         B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
+            yg = sc(M * di)
+            self._launch(s, "mb_m3_y_k", (H, NC), Y_THREADS, I["desc"], H, di, NP, Q, K, V, DT,
+                         SIG, ADT, QKG, hck, D, zx, yg)
+
+            # out_proj: its weight's gradient, and dyg = dy . out_proj; dY = dyg * silu(z)
+            dyg, dzx, dY = sc(M * di), sc(M * NP), sc(M * di)
+            self.g_linear_bwd(s, sc, M, dm, di, yg, di, out_proj, di, dyd, dm, g_out, dyg, di)
+            self._ck(self.cu.cuMemcpyDtoDAsync(dY, dyg, 4 * M * di, s), "cuMemcpyDtoDAsync")
+            self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), THREADS, M, di, zx, NP, dY)
+
+            # the chunks: dh entering each from its own rows, the chain over a row's
+            # chunks in reverse, then every chunk's gradients
+            Sd, dhL = sc(NC * H * per), sc(NC * H * per)
+            self._launch(s, "mb_m3b_sd_k", (NC, H), CHUNK_THREADS,
+                         I["desc"], H, di, Q, ADT, dY, Sd)
+            self._launch(s, "mb_m3b_dchain_k", (self._grid(B * H * per),), THREADS,
+                         B, H, I["cbeg"], Ec, Sd, dhL)
+            dQKG, dQ, dK = sc(M * H), sc(M * H * NS), sc(M * H * NS)
+            dsc, dadt = sc(M * H), sc(M * H)
+            self._launch(s, "mb_m3b_chunk_k", (NC, H), CHUNK_THREADS,
+                         I["desc"], H, di, NP, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, D, zx, dyg,
+                         dY, dzx, dQKG, dQ, dK, dsc, dadt, smem=CHUNK_SMEM)
+
+            # per token: the angle gradient (serial in reverse time), then the
+            # unrotated q and k, dt, trap and dd_A; across heads the B, C and angle
+            # gradients; the B and C norms
+            TH, dTA = sc(M * H * NA), sc(M * H * NA)
+            self._launch(s, "mb_m3b_theta_k", (self._grid(B * H * NA),), THREADS,
+                         B, L, H, Q, K, dQ, dK, TH)
+            self._launch(s, "mb_m3b_token_k", (min(M * H, 64 * self.sms),), NS,
+                         M, L, H, di, NP, zx, Bn, Cn, B_bias, C_bias, dt_bias, DT, SIG, TA,
+                         ROT, TH, dQKG, dsc, dadt, dQ, dK, dTA, dzx)
+            dCn, dBn = sc(M * NS), sc(M * NS)
+            self._launch(s, "mb_m3b_heads_k", (self._grid(M * (2 * NS + NA)),), THREADS,
+                         M, H, NP, oANG, zx, dQ, dK, dTA, dCn, dBn, dzx)
+            Bxr, Cxr = sc(M * NS), sc(M * NS)
+            for col, wn, d, xr in ((oB, Bn_w, dBn, Bxr), (oC, Cn_w, dCn, Cxr)):
+                self.g_rmsnorm_bwd(s, sc, M, NS, zx + 4 * col, NP, wn, d, NS, dzx + 4 * col, NP,
+                                   xr, NS)
+
+            # in_proj, the block norm (x * r reuses xn) and the residual; the folds
+            dxn = sc(M * dm)
+            self.g_linear_bwd(s, sc, M, NP, dm, xn, dm, in_proj, dm, dzx, NP, g_in, dxn, dm)
+            self.g_rmsnorm_bwd(s, sc, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xn, dm)
+            self.g_add(s, M * dm, dyd, g_x, g_x)
+            for n, a, lda, o, b, ldb in ((dm, dxn, dm, g_norm, xn, dm), (NS, dBn, NS, g_Bn, Bxr, NS),
+                                         (NS, dCn, NS, g_Cn, Cxr, NS),
+                                         (H * NS, dK, H * NS, g_Bb, 0, 0),
+                                         (H * NS, dQ, H * NS, g_Cb, 0, 0), (H, dQKG, H, g_D, 0, 0),
+                                         (H, dzx + 4 * oDT, NP, g_dtb, 0, 0)):
+                self.g_colfold(s, sc, B, L, n, a, lda, o, 1, b, ldb)
+            self._finish(st, back)
