@@ -108,7 +108,7 @@ class Driver:
         "cuMemcpyDtoHAsync": "hipMemcpyDtoHAsync", "cuMemcpyDtoDAsync": "hipMemcpyDtoDAsync",
         "cuMemsetD8Async": "hipMemsetD8Async", "cuMemsetD32Async": "hipMemsetD32Async",
         "cuDeviceGetAttribute": "hipDeviceGetAttribute",
-        "cuLaunchKernel": "hipModuleLaunchKernel",
+        "cuLaunchKernel": "hipModuleLaunchKernel", "cuModuleGetFunction": "hipModuleGetFunction",
         "cuStreamCreate": "hipStreamCreateWithFlags", "cuStreamSynchronize": "hipStreamSynchronize",
         "cuStreamWaitEvent": "hipStreamWaitEvent", "cuStreamBeginCapture": "hipStreamBeginCapture",
         "cuStreamEndCapture": "hipStreamEndCapture",
