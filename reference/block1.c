@@ -10,6 +10,7 @@
 #include "scratch.h"
 
 #define NS MB_M1_NS
+#define CONV_CB 128 /* channels per conv task */
 
 /* p[0..n) into a vector (n <= MB_VW), the other lanes +0 */
 static inline mb_vf ld_lanes(const float *p, int n)
@@ -69,24 +70,32 @@ void MB_ISA_FN(mb_m1_front)(const mb_m1_weights *w, int64_t B, const int64_t *of
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->norm_w, xn, dm);
     MB_ISA_FN(mb_gemm)(M, 2 * di, dm, xn, dm, w->in_proj, dm, xz, 2 * di);
 
-    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
-    for (int64_t b = 0; b < B; b++) {
+    /* tasks are (row, block of CONV_CB channels) */
+    const int64_t ncb = (di + CONV_CB - 1) / CONV_CB;
+    #pragma omp parallel for schedule(dynamic) if (M * di > (1 << 15))
+    for (int64_t task = 0; task < B * ncb; task++) {
         mb_fpenv env = mb_fpenv_enter();
-        MB_ISA_FN(mb_conv_silu_pre)(off[b + 1] - off[b], di, xz + off[b] * 2 * di, 2 * di,
-                                    window + b * di * 4, w->conv_w, w->conv_b,
-                                    pre ? pre + off[b] * di : NULL, di, u + off[b] * di, di);
+        const int64_t b = task / ncb, c0 = task % ncb * CONV_CB, o = off[b];
+        MB_ISA_FN(mb_conv_silu_pre)(off[b + 1] - o, di - c0 < CONV_CB ? di - c0 : CONV_CB,
+                                    xz + o * 2 * di + c0, 2 * di, window + (b * di + c0) * 4,
+                                    w->conv_w + c0 * 4, w->conv_b + c0,
+                                    pre ? pre + o * di + c0 : NULL, di, u + o * di + c0, di);
         mb_fpenv_exit(env);
     }
 
     MB_ISA_FN(mb_gemm)(M, XR, di, u, di, w->x_proj, di, xdbl, XR);
     MB_ISA_FN(mb_gemm)(M, di, R, xdbl, XR, w->dt_proj_w, R, delta, di);
-    for (int64_t m = 0; m < M; m++)
+    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        mb_fpenv env = mb_fpenv_enter();
         for (int64_t c = 0; c < di; c++) {
             float s = delta[m * di + c] + w->dt_proj_b[c];
             if (spre)
                 spre[m * di + c] = s;
             delta[m * di + c] = mb_softplus(s);
         }
+        mb_fpenv_exit(env);
+    }
 }
 
 int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,

@@ -21,10 +21,7 @@
 #include "fpenv.h"
 #include "block2.h"
 #include "scratch.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MB_SIMD 1
-#endif
+#include "tile.h"
 
 #define NS MB_M2_NS
 #define HP MB_M2_HP
@@ -34,51 +31,22 @@
 #define GB 64        /* output rows per G task */
 #define CB 256       /* channels per conv task */
 
+/* Columns per tile: all 64 under AVX-512 (4 x 6 accumulators), 16 elsewhere. */
+#if MB_VW == 16
+#define MMV 4
+#else
+#define MMV 2
+#endif
+
 /* out[r][c] = dot v1 over k < K of a[r*sar + k*sak] * b[k*ldb + c], for r < R <= TR and
- * the HP columns c: one ascending fmaf chain from +0 per output (K <= CQ: one leaf).
- * Vectors run across c only. */
+ * the HP columns c: one ascending fmaf chain from +0 per output (K <= CQ: one leaf). */
 static void mm64(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
                  const float *b, int64_t ldb, float *out, int64_t ldo)
 {
-#ifdef MB_SIMD
     const float *ar[TR]; /* rows past R repeat the last one; their outputs are dropped */
     for (int r = 0; r < TR; r++) ar[r] = a + (r < R ? r : R - 1) * sar;
-    for (int c = 0; c < HP; c += 16) {
-        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-        const float *bp = b + c;
-        for (int64_t k = 0; k < K; k++, bp += ldb) {
-            const int64_t o = k * sak;
-            __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8), v;
-            v = _mm256_broadcast_ss(ar[0] + o);
-            c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
-            v = _mm256_broadcast_ss(ar[1] + o);
-            c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
-            v = _mm256_broadcast_ss(ar[2] + o);
-            c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
-            v = _mm256_broadcast_ss(ar[3] + o);
-            c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
-            v = _mm256_broadcast_ss(ar[4] + o);
-            c40 = _mm256_fmadd_ps(v, b0, c40); c41 = _mm256_fmadd_ps(v, b1, c41);
-            v = _mm256_broadcast_ss(ar[5] + o);
-            c50 = _mm256_fmadd_ps(v, b0, c50); c51 = _mm256_fmadd_ps(v, b1, c51);
-        }
-        __m256 t[TR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(out + r * ldo + c, t[r][0]);
-            _mm256_storeu_ps(out + r * ldo + c + 8, t[r][1]);
-        }
-    }
-#else
-    for (int r = 0; r < R; r++) {
-        float *o = out + r * ldo;
-        for (int c = 0; c < HP; c++) o[c] = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            const float av = a[r * sar + k * sak];
-            for (int c = 0; c < HP; c++) o[c] = fmaf(av, b[k * ldb + c], o[c]);
-        }
-    }
-#endif
+    for (int c = 0; c < HP; c += MMV * MB_VW)
+        mb_tile(TR, MMV, K, 0, ar, sak, b + c, ldb, out + c, ldo, R);
 }
 
 void MB_ISA_FN(mb_m2_mm64)(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
@@ -179,7 +147,10 @@ typedef struct {
     const int64_t *off, *t0, *eoff; /* token offsets, buffered rows, scratch-chunk rows */
     float *ext_u, *ext_dtr;         /* chunks >= 1 of every row */
     const float *G;                 /* (tokens, CQ): G[token][j] */
-    float *yb;                      /* (tokens, di): Y before the gate */
+    const float *z;                 /* (tokens, NP): in_proj's output, z first */
+    int64_t NP;
+    float *yb;                      /* (tokens, di): the gated output Y * silu(z) */
+    float *ypre;                    /* NULL, or (tokens, di): Y before the gate */
     float *hck;                     /* NULL, or the state entering each chunk (m2_acts) */
     int64_t nkmax;                  /* chunks per (row, head) in hck */
 } m2_ctx;
@@ -194,7 +165,8 @@ static float *chunk_dtr(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64
     return k ? c->ext_dtr + (c->eoff[b] + (k - 1) * CQ) * c->H : st->buffer_dtraw + b * BUFROWS * c->H;
 }
 
-/* The SSD of one (row, head): every chunk in order, outputs into yb, the state in st->h. */
+/* The SSD of one (row, head): every chunk in order, gated outputs into yb, the state in
+ * st->h. */
 static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state *st,
                      int64_t b, int64_t h, const ssd_scr *q)
 {
@@ -221,7 +193,10 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
                 const float *g = c->G + (tok + r) * CQ;
                 float *mr = Mt + r * CQ;
                 seg_row(s, q->dA, &row, i);
-                for (int64_t j = 0; j <= i; j++) mr[j] = g[j] * mb_exp(s[j]);
+                for (int64_t j = 0; j <= i; j += MB_VW) {
+                    const int nn = i + 1 - j < MB_VW ? (int)(i + 1 - j) : MB_VW;
+                    mb_vstn(mr + j, mb_vmul(mb_vldn(g + j, nn), mb_vexp(mb_vldn(s + j, nn))), nn);
+                }
             }
             /* Y_diag: the chains common to the tile, then each row's causal rest */
             mm64(R, i0 + 1, Mt, CQ, 1, q->Xd, HP, yd, HP);
@@ -232,9 +207,13 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
             for (int r = 0; r < R; r++) {
                 const int64_t i = i0 + r;
                 const float e = mb_exp(q->cs[i]), *xr = u + i * CD + h * HP;
+                const float *zr = c->z + (tok + r) * c->NP + h * HP;
                 float *yr = c->yb + (tok + r) * di + h * HP;
+                float *yp = c->ypre ? c->ypre + (tok + r) * di + h * HP : yr;
                 for (int p = 0; p < HP; p++)
-                    yr[p] = (yd[r * HP + p] + yo[r * HP + p] * e) + xr[p] * Dh;
+                    yp[p] = (yd[r * HP + p] + yo[r * HP + p] * e) + xr[p] * Dh;
+                for (int p = 0; p < HP; p += MB_VW)
+                    mb_vst(yr + p, mb_vmul(mb_vld(yp + p), mb_vsilu(mb_vld(zr + p))));
             }
         }
         if (n == CQ)
@@ -289,7 +268,8 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         xs = xp;
         ys = xp + M * dm;
     }
-    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, yb,
+    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, zxd, NP, yb,
+                      acts ? acts->Y : NULL,
                       acts ? acts->hck : NULL, acts ? (L + CQ - 1) / CQ : 0};
 
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->block_norm_w, xn, dm);
@@ -356,7 +336,6 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     }
     if (acts) {
         memcpy(acts->G, G, (size_t)(M * CQ) * sizeof(float));
-        memcpy(acts->Y, yb, (size_t)(M * di) * sizeof(float));
         for (int64_t b = 0; b < B; b++) {
             const int64_t T = t0[b] + off[b + 1] - off[b];
             for (int64_t k = 0; k * CQ < T; k++) {
@@ -384,15 +363,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         st->buffered_tokens[b] = r;
     }
 
-    /* gate before the norm: g = Y * silu(z), then RMSNorm over di, out_proj, residual */
-    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
-        mb_fpenv env = mb_fpenv_enter();
-        float *g = yb + m * di;
-        const float *z = zxd + m * NP;
-        for (int64_t j = 0; j < di; j++) g[j] = g[j] * mb_silu(z[j]);
-        mb_fpenv_exit(env);
-    }
+    /* the SSD gated its outputs (g = Y * silu(z)); RMSNorm over di, out_proj, residual */
     MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
     MB_ISA_FN(mb_out_residual)(M, dm, di, yb, w->out_proj, xs, xn, ys);
     if (lengths)

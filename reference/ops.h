@@ -13,13 +13,9 @@ void MB_ISA_FN(mb_rmsnorm_rows)(int64_t M, int64_t n, const float *x, int64_t ld
 /* Causal depthwise conv (4 taps, oldest first, bias-seeded fma chain) then silu,
  * over one sequence of len tokens and C channels. in[t * ldi + c] are the pre-conv
  * inputs; window (C, 4) holds the four inputs before this call (oldest first) and
- * is updated to the last four. u[t * ldu + c] receives the outputs. */
-void MB_ISA_FN(mb_conv_silu)(int64_t len, int64_t C, const float *in, int64_t ldi,
-                             float *window, const float *w, const float *bias,
-                             float *u, int64_t ldu);
-
-/* The same, also writing the pre-activations (conv outputs before silu) to
- * pre[t * ldp + c] when pre is not NULL (backward). */
+ * is updated to the last four. u[t * ldu + c] receives the outputs, and
+ * pre[t * ldp + c] the pre-activations (conv outputs before silu) when pre is not
+ * NULL (backward). */
 void MB_ISA_FN(mb_conv_silu_pre)(int64_t len, int64_t C, const float *in, int64_t ldi,
                                  float *window, const float *w, const float *bias,
                                  float *pre, int64_t ldp, float *u, int64_t ldu);
