@@ -220,8 +220,8 @@ class SsdMixin:
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m3_prep_k", "mb_m3_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k",
-                     "mb_m3_y_k", "mb_m3_last_k")
+                     "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
+                     "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k")
         self._enter()
         st = self.stream()
         s = st.cu
@@ -269,9 +269,10 @@ class SsdMixin:
                          B_bias, C_bias, DT, SIG, ADT, QKG, TA)
             self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                          B, I["off"], I["eoff"], I["t0"], di, zx + 4 * di, NP, V)
-            self._launch(s, "mb_m3_rotate_k", (self._grid(B * H * NA),), C.THREADS,
-                         B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, TA, DT,
-                         theta, Q, K, rep[3])
+            self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
+                         B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
+            self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
+                         B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
                              B, H, I["eoff"], DT, SIG, pk, pv, h)

@@ -5,8 +5,9 @@
  *   mb_m3_prep_k    per new token and head: heavy-tail A with its floor, dt, A * dt,
  *                   sigmoid(trap), qk_gamma = dot(q, k) * (dt * sig); per token and
  *                   angle: tanh(angle) * PI.
- *   mb_m3_rotate_k  per (row, head, angle): the angle recurrence, serial over the
- *                   row's tokens and reduced every token, and the rotation of q and k.
+ *   mb_m3_angles_k  per (row, head, angle): the angle recurrence, serial over the
+ *                   row's tokens and reduced every token.
+ *   mb_m3_rotate_k  per (token, head, angle): the rotation of q and k.
  *   mb_m3_pending_k Input_States: h0 = h + (v * k) * (dt_1 * (1 - sig_1)).
  *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
  *                   with hin, the fold itself (the h_last report).
@@ -64,54 +65,105 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
     }
 }
 
-/* Row b, head h, angle r: theta = mod2pi(theta + ta * dt) token by token, then pair
- * (2r, 2r + 1) of the biased q and k rotated by it, and dims 64 + 2r, 64 + 2r + 1
- * copied unrotated. theta (B, H, M3A) ends after the row's last token; theta_last
- * (optional) receives the same; rot (optional) each token's cos and sin at
- * rot[(e * M3A + r) * 2 + {0, 1}], e = ext row * H + h. */
+/* theta after a token: mod2pi(theta + ta * dt). */
+MB_DEV float m3_angle(float th, float ta, float dt) { return mb_mod2pi(th + ta * dt); }
+
+/* Token tok (ext row index e = ext row * H + h) at angle th: pair (2r, 2r + 1) of
+ * the biased q and k rotated, dims 64 + 2r, 64 + 2r + 1 copied unrotated; rot
+ * (optional) receives cos and sin at rot[(e * M3A + r) * 2 + {0, 1}]. */
+MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t r,
+                            const float *Bn, const float *Cn, const float *B_bias,
+                            const float *C_bias, float *Q, float *K, float *rot)
+{
+    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+    const float cs = mb_cos(th), sn = mb_sin(th);
+    if (rot) {
+        rot[(e * M3A + r) * 2] = cs;
+        rot[(e * M3A + r) * 2 + 1] = sn;
+    }
+    const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
+    float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
+    const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
+    const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
+    qo[2 * r] = (q0 * cs) - (q1 * sn);
+    qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
+    ko[2 * r] = (k0 * cs) - (k1 * sn);
+    ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
+    for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
+        qo[m] = c[m] + cb[m];
+        ko[m] = k[m] + kb[m];
+    }
+}
+
+/* Row b, head h, angle r of i: the angle recurrence token by token, each token
+ * rotated at once (the backward's form, keeping cos and sin in rot). theta (B, H,
+ * M3A) ends after the row's last token; theta_last (optional) receives the same. */
 MB_DEV void m3_rotate(int64_t i, int64_t H, const int64_t *off, const int64_t *eoff,
                       const int64_t *t0, const float *Bn, const float *Cn, const float *B_bias,
                       const float *C_bias, const float *TA, const float *DT, float *theta,
                       float *Q, float *K, float *theta_last, float *rot)
 {
     const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
-    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
     float th = theta[i];
     const int64_t e0 = eoff[b] + t0[b];
     for (int64_t t = 0; t < off[b + 1] - off[b]; t++) {
         const int64_t tok = off[b] + t, e = (e0 + t) * H + h;
-        th = mb_mod2pi(th + TA[tok * M3A + r] * DT[e]);
-        const float cs = mb_cos(th), sn = mb_sin(th);
-        if (rot) {
-            rot[(e * M3A + r) * 2] = cs;
-            rot[(e * M3A + r) * 2 + 1] = sn;
-        }
-        const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
-        float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-        const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
-        const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
-        qo[2 * r] = (q0 * cs) - (q1 * sn);
-        qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
-        ko[2 * r] = (k0 * cs) - (k1 * sn);
-        ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
-        for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
-            qo[m] = c[m] + cb[m];
-            ko[m] = k[m] + kb[m];
-        }
+        th = m3_angle(th, TA[tok * M3A + r], DT[e]);
+        m3_rotate_token(th, h, tok, e, r, Bn, Cn, B_bias, C_bias, Q, K, rot);
     }
     theta[i] = th;
     if (theta_last) theta_last[i] = th;
 }
 
-/* One thread per (row, head, angle): m3_rotate. */
-MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
-                              const int64_t *t0, const float *Bn, const float *Cn,
-                              const float *B_bias, const float *C_bias, const float *TA,
-                              const float *DT, float *theta, float *Q, float *K, float *theta_last)
+#define M3_AHEAD 8 /* tokens whose inputs are loaded ahead of the angle chain */
+
+/* One thread per (row, head, angle): the angle recurrence alone (the only serial
+ * part of the rotation), each token's angle parked in q's slot 2r, which
+ * mb_m3_rotate_k then reads and overwrites. theta and theta_last as m3_rotate. */
+MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
+                              const int64_t *t0, const float *TA, const float *DT, float *theta,
+                              float *Q, float *theta_last)
 {
     MB_GRID_LOOP(i, B * H * M3A) {
-        m3_rotate(i, H, off, eoff, t0, Bn, Cn, B_bias, C_bias, TA, DT, theta, Q, K, theta_last,
-                  NULL);
+        const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
+        const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
+        float th = theta[i];
+        for (int64_t t = 0; t < T; t += M3_AHEAD) {
+            float ta[M3_AHEAD], dt[M3_AHEAD];
+#pragma unroll
+            for (int u = 0; u < M3_AHEAD; u++) {
+                const bool in = t + u < T;
+                ta[u] = in ? TA[(o + t + u) * M3A + r] : 0.0f;
+                dt[u] = in ? DT[(e0 + t + u) * H + h] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < M3_AHEAD; u++) {
+                if (t + u < T) {
+                    th = m3_angle(th, ta[u], dt[u]);
+                    Q[((e0 + t + u) * H + h) * SSD_NS + 2 * r] = th;
+                }
+            }
+        }
+        theta[i] = th;
+        if (theta_last) theta_last[i] = th;
+    }
+}
+#undef M3_AHEAD
+
+/* One thread per (new token, head, angle): m3_rotate_token at the angle that
+ * mb_m3_angles_k parked. Grid (x over the row's tokens * H * M3A, y over rows). */
+MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
+                              const int64_t *t0, const float *Bn, const float *Cn,
+                              const float *B_bias, const float *C_bias, float *Q, float *K)
+{
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        const int64_t o = off[b], e0 = eoff[b] + t0[b];
+        MB_GRID_LOOP(j, (off[b + 1] - o) * H * M3A) {
+            const int64_t t = j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
+            const int64_t e = (e0 + t) * H + h;
+            m3_rotate_token(Q[e * SSD_NS + 2 * r], h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q,
+                            K, NULL);
+        }
     }
 }
 
