@@ -17,82 +17,47 @@
 #include "fpenv.h"
 #include "block3.h"
 #include "scratch.h"
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MB_SIMD 1
-#endif
+#include "tile.h"
+
+/* Tiles: TR3 rows by 64 columns under AVX-512 (16 elsewhere); 16-column tiles for the
+ * rest of N, and single rows when fewer than half a tile's rows are left (decode). */
+#define TR3 6
+#define WV (MB_VW == 16 ? 4 : 16 / MB_VW)
+#define NV16 (16 / MB_VW)
+
+static inline __attribute__((always_inline)) void m3_rows(const int R, int64_t N, int64_t K,
+                                                          int64_t dK, const float *const *ar,
+                                                          int64_t sak, const float *B,
+                                                          int64_t ldb, float *C, int64_t ldc,
+                                                          int nr)
+{
+    int64_t n0 = 0;
+    for (; n0 + WV * MB_VW <= N; n0 += WV * MB_VW)
+        mb_tile(R, WV, K, (int)dK, ar, sak, B + n0, ldb, C + n0, ldc, nr);
+    for (; n0 < N; n0 += 16)
+        mb_tile(R, NV16, K, (int)dK, ar, sak, B + n0, ldb, C + n0, ldc, nr);
+}
 
 /* C[m*ldc + n] = dot v1 over k < K0 + m*dK of A[m*sam + k*sak] and B[k*ldb + n], for
- * m < M and n < N (N a multiple of 16). Chains are per output and ascending in k, so
- * the SIMD and the scalar loops give the same bits; rows of a causal product
- * (dK = 1) share the common prefix of k and finish their chains one by one. */
+ * m < M and n < N (N a multiple of 16). Chains are per output and ascending in k;
+ * rows of a causal product (dK = 1) share the common prefix of k and finish their
+ * chains one by one. */
 void MB_ISA_FN(mb_m3_mm)(int64_t M, int64_t N, int64_t K0, int64_t dK,
                          const float *A, int64_t sam, int64_t sak,
                          const float *B, int64_t ldb, float *C, int64_t ldc)
 {
-#ifdef MB_SIMD
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-        const float *a0 = A + m * sam, *a1 = a0 + sam, *a2 = a1 + sam, *a3 = a2 + sam;
-        const int64_t kc = K0 + m * dK; /* K of the tile's first row, the shortest */
-        for (int64_t n0 = 0; n0 < N; n0 += 16) {
-            const float *b = B + n0;
-            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
-            __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00, v;
-            for (int64_t k = 0; k < kc; k++) {
-                __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-                v = _mm256_broadcast_ss(a0 + k * sak);
-                c00 = _mm256_fmadd_ps(v, b0, c00); c01 = _mm256_fmadd_ps(v, b1, c01);
-                v = _mm256_broadcast_ss(a1 + k * sak);
-                c10 = _mm256_fmadd_ps(v, b0, c10); c11 = _mm256_fmadd_ps(v, b1, c11);
-                v = _mm256_broadcast_ss(a2 + k * sak);
-                c20 = _mm256_fmadd_ps(v, b0, c20); c21 = _mm256_fmadd_ps(v, b1, c21);
-                v = _mm256_broadcast_ss(a3 + k * sak);
-                c30 = _mm256_fmadd_ps(v, b0, c30); c31 = _mm256_fmadd_ps(v, b1, c31);
-            }
-#define MB_TAIL(a, ca0, ca1, r)                                                           \
-            for (int64_t k = kc; k < kc + (r) * dK; k++) {                                \
-                v = _mm256_broadcast_ss(a + k * sak);                                     \
-                ca0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb), ca0);              \
-                ca1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb + 8), ca1);          \
-            }
-            MB_TAIL(a1, c10, c11, 1)
-            MB_TAIL(a2, c20, c21, 2)
-            MB_TAIL(a3, c30, c31, 3)
-#undef MB_TAIL
-            float *c = C + m * ldc + n0;
-            _mm256_storeu_ps(c, c00); _mm256_storeu_ps(c + 8, c01);
-            _mm256_storeu_ps(c + ldc, c10); _mm256_storeu_ps(c + ldc + 8, c11);
-            _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
-            _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
+    for (int64_t m = 0; m < M;) {
+        const int nr = M - m < TR3 ? (int)(M - m) : TR3;
+        const float *ar[TR3]; /* rows past nr repeat the last one */
+        for (int r = 0; r < TR3; r++) ar[r] = A + (m + (r < nr ? r : nr - 1)) * sam;
+        if (nr * 2 >= TR3) {
+            m3_rows(TR3, N, K0 + m * dK, dK, ar, sak, B, ldb, C + m * ldc, ldc, nr);
+            m += nr;
+        } else {
+            m3_rows(1, N, K0 + m * dK, 0, ar, sak, B, ldb, C + m * ldc, ldc, 1);
+            m++;
         }
     }
-    for (int64_t r = M - m; r > 0; r--, m++) {
-        const float *a = A + m * sam;
-        const int64_t K = K0 + m * dK;
-        for (int64_t n0 = 0; n0 < N; n0 += 16) {
-            const float *b = B + n0;
-            __m256 c0 = _mm256_setzero_ps(), c1 = c0;
-            for (int64_t k = 0; k < K; k++) {
-                __m256 v = _mm256_broadcast_ss(a + k * sak);
-                c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb), c0);
-                c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(b + k * ldb + 8), c1);
-            }
-            _mm256_storeu_ps(C + m * ldc + n0, c0);
-            _mm256_storeu_ps(C + m * ldc + n0 + 8, c1);
-        }
-    }
-#else
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t K = K0 + m * dK;
-        for (int64_t n = 0; n < N; n++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++)
-                acc = fmaf(A[m * sam + k * sak], B[k * ldb + n], acc);
-            C[m * ldc + n] = acc;
-        }
-    }
-#endif
 }
 
 /* out = h folded over buffer rows [0, n), the last row's beta given:
@@ -235,9 +200,11 @@ void MB_ISA_FN(mb_m3_chunk_out)(const m3_ctx *c, const m3_head *hv, int64_t h, i
         for (int64_t j = 0; j < i; j++)
             seg[j] = seg[j] + a;
         if (i >= r0)
-            for (int64_t j = 0; j < i; j++) {
-                Lm[i * QCAP + j] = mb_exp(seg[j]);
-                Mm[i * QCAP + j] = G[i * QCAP + j] * Lm[i * QCAP + j];
+            for (int64_t j = 0; j < i; j += MB_VW) {
+                const int nn = i - j < MB_VW ? (int)(i - j) : MB_VW;
+                const mb_vf e = mb_vexp(mb_vldn(seg + j, nn));
+                mb_vstn(Lm + i * QCAP + j, e, nn);
+                mb_vstn(Mm + i * QCAP + j, mb_vmul(mb_vldn(G + i * QCAP + j, nn), e), nn);
             }
     }
     MB_ISA_FN(mb_m3_mm)(r1 - r0, PV, r0, 1, Mm + r0 * QCAP, QCAP, 1, hv->v, hv->vs,
@@ -255,8 +222,8 @@ void MB_ISA_FN(mb_m3_chunk_out)(const m3_ctx *c, const m3_head *hv, int64_t h, i
             const float y = ys[p] * e + yi[p];
             yp[p] = y + dq * v[p];
         }
-        for (int p = 0; p < PV; p++)
-            yo[p] = yp[p] * mb_silu(z[p]);
+        for (int p = 0; p < PV; p += MB_VW)
+            mb_vst(yo + p, mb_vmul(mb_vld(yp + p), mb_vsilu(mb_vld(z + p))));
     }
 }
 

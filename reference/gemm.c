@@ -11,7 +11,7 @@
 #include "threads.h"
 #include "gemm.h"
 #include "fpenv.h"
-#include "simd.h"
+#include "tile.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_SIMD 1
@@ -71,27 +71,9 @@ static inline __attribute__((always_inline)) void tile_run(const tile_arg *a, in
                                                            int64_t kl, float *out,
                                                            int64_t ldo, int mr)
 {
-    const float *b = a->wp + k0 * NR, *x[MR];
-    mb_vf c[MR][NV];
-    for (int i = 0; i < MR; i++) {
-        x[i] = a->x[i] + k0;
-        for (int j = 0; j < NV; j++) c[i][j] = mb_vzero();
-    }
-    for (int64_t k = 0; k < kl; k++, b += NR) {
-        mb_vf bv[NV];
-        MB_UNROLL
-        for (int j = 0; j < NV; j++) bv[j] = mb_vld(b + j * MB_VW);
-        MB_UNROLL
-        for (int i = 0; i < MR; i++) {
-            const mb_vf v = mb_vbc(x[i] + k);
-            MB_UNROLL
-            for (int j = 0; j < NV; j++) c[i][j] = mb_vfma(v, bv[j], c[i][j]);
-        }
-    }
-    MB_UNROLL
-    for (int i = 0; i < MR; i++)
-        if (i < mr)
-            for (int j = 0; j < NV; j++) mb_vst(out + i * ldo + j * MB_VW, c[i][j]);
+    const float *x[MR];
+    for (int i = 0; i < MR; i++) x[i] = a->x[i] + k0;
+    mb_tile(MR, NV, kl, 0, x, 1, a->wp + k0 * NR, NR, out, ldo, mr);
 }
 
 static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)

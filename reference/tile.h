@@ -8,18 +8,21 @@
 #include "simd.h"
 
 #define MB_TILE_MAXR 16
-#define MB_TILE_MAXV 8
+#define MB_TILE_MAXV 16
 
 /* out[r * ldo + j] = chain over k < K + r * dK of a[r][k * sak] * b[k * ldb + j], for
  * r < R and j < V * MB_VW; only rows r < nr are stored. dK is 0, or 1 for a causal
  * product: the rows share the first K terms and row r then finishes its own r more.
- * Rows past nr may repeat a valid row pointer; their results are dropped. */
+ * Rows past nr may repeat a valid row pointer; they run the shared terms only and
+ * their results are dropped. */
 static inline __attribute__((always_inline)) void mb_tile(const int R, const int V, int64_t K,
                                                           int dK, const float *const *a,
                                                           int64_t sak, const float *b,
                                                           int64_t ldb, float *out,
                                                           int64_t ldo, int nr)
 {
+    if (R > MB_TILE_MAXR || V > MB_TILE_MAXV) /* folds away: R and V are constants */
+        __builtin_trap();
     mb_vf c[MB_TILE_MAXR][MB_TILE_MAXV];
     MB_UNROLL
     for (int r = 0; r < R; r++)
@@ -40,7 +43,7 @@ static inline __attribute__((always_inline)) void mb_tile(const int R, const int
     if (dK)
         MB_UNROLL
         for (int r = 1; r < R; r++)
-            for (int64_t k = K; k < K + r; k++) {
+            for (int64_t k = K; k < K + (r < nr ? r : 0); k++) {
                 const mb_vf v = mb_vbc(a[r] + k * sak);
                 MB_UNROLL
                 for (int j = 0; j < V; j++)
