@@ -1,4 +1,5 @@
 /* Mamba-1 block, profile identical.mamba1.fp32.v1 (SPEC section 5). */
+#include <float.h>
 #include <stdlib.h>
 #include <string.h>
 #include "mamba_ref.h"
@@ -11,11 +12,30 @@
 
 #define NS MB_M1_NS
 #define CONV_CB 128 /* channels per conv task */
+#define PF 8        /* tokens the scan prefetches ahead */
 
 /* p[0..n) into a vector (n <= MB_VW), the other lanes +0 */
 static inline mb_vf ld_lanes(const float *p, int n)
 {
     return n == MB_VW ? mb_vld(p) : mb_vldn(p, n);
+}
+
+/* One token of the scan: the NS states of the lanes' channels updated in hv, y out.
+ * core: every dl * a lies in exp's range, so the clamp and selects can be skipped. */
+static inline __attribute__((always_inline)) mb_vf scan_token(mb_vf *hv, const float (*a)[MB_VW],
+                                                              mb_vf dl, mb_vf uu,
+                                                              const float *Bv, const float *Cv,
+                                                              int core)
+{
+    mb_vf acc = mb_vzero();
+    MB_UNROLL
+    for (int n = 0; n < NS; n++) {
+        const mb_vf x = mb_vmul(dl, mb_vld(a[n]));
+        const mb_vf dA = core ? mb_vexp_core(x) : mb_vexp(x);
+        hv[n] = mb_m1_h_next_v(dA, hv[n], dl, mb_vbc(Bv + n), uu);
+        acc = mb_vfma(mb_vbc(Cv + n), hv[n], acc);
+    }
+    return acc;
 }
 
 /* The selective scan of one row over channels [c0, c0 + nc), nc <= MB_VW: one
@@ -34,19 +54,30 @@ static void scan_lanes(int64_t len, int64_t di, int64_t R, int64_t c0, int nc,
             a[n][i] = i < nc ? AT[n * di + c0 + i] : 0.0f;
             hs[n][i] = i < nc ? h[(c0 + i) * NS + n] : 0.0f;
         }
-    for (int n = 0; n < NS; n++)
+    /* With every a in [-FLT_MAX, 0] (amin their lane minimum), a token whose delta
+     * lanes are >= 0 and give delta * amin >= exp's lower threshold has every
+     * delta * a in [threshold, 0]: rounding is monotonic. */
+    mb_vf amin = mb_vzero();
+    int afin = 1;
+    for (int n = 0; n < NS; n++) {
         hv[n] = mb_vld(hs[n]);
-    const mb_vf Dv = ld_lanes(D + c0, nc);
+        const mb_vf an = mb_vld(a[n]);
+        afin &= mb_vall_ge(an, mb_vset(-FLT_MAX)) & mb_vall_ge(mb_vzero(), an);
+        amin = mb_vmin(an, amin);
+    }
+    const mb_vf Dv = ld_lanes(D + c0, nc), lo = mb_vset(MB_EXP_LO);
     for (int64_t t = 0; t < len; t++) {
+        /* the rows are di apart: too far for the hardware prefetcher */
+        if (t + PF < len) {
+            __builtin_prefetch(delta + (t + PF) * di + c0);
+            __builtin_prefetch(u + (t + PF) * di + c0);
+            __builtin_prefetch(xz + (t + PF) * 2 * di + di + c0);
+        }
         const mb_vf dl = ld_lanes(delta + t * di + c0, nc), uu = ld_lanes(u + t * di + c0, nc);
         const float *Bv = xdbl + t * XR + R, *Cv = Bv + NS;
-        mb_vf acc = mb_vzero();
-        MB_UNROLL
-        for (int n = 0; n < NS; n++) {
-            const mb_vf dA = mb_vexp(mb_vmul(dl, mb_vld(a[n])));
-            hv[n] = mb_m1_h_next_v(dA, hv[n], dl, mb_vbc(Bv + n), uu);
-            acc = mb_vfma(mb_vbc(Cv + n), hv[n], acc);
-        }
+        const mb_vf acc = afin && mb_vall_ge(dl, mb_vzero()) && mb_vall_ge(mb_vmul(dl, amin), lo)
+                              ? scan_token(hv, a, dl, uu, Bv, Cv, 1)
+                              : scan_token(hv, a, dl, uu, Bv, Cv, 0);
         const mb_vf z = ld_lanes(xz + t * 2 * di + di + c0, nc);
         const mb_vf y = mb_vmul(mb_vadd(acc, mb_vmul(uu, Dv)), mb_vsilu(z));
         if (nc == MB_VW)

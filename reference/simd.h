@@ -33,11 +33,14 @@ static inline mb_vf mb_vdiv(mb_vf a, mb_vf b) { return _mm512_div_ps(a, b); }
 static inline mb_vf mb_vldn(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
 static inline void mb_vstn(float *p, mb_vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 static inline mb_vf mb_vneg(mb_vf a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u))); }
+static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return _mm512_min_ps(a, b); }
+/* every lane a >= b (false where either is NaN) */
+static inline int mb_vall_ge(mb_vf a, mb_vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) == 0xFFFF; }
 
-static inline mb_vf mb_vexp(mb_vf x)
+/* exp for x in [MB_EXP_LO, MB_EXP_HI] (not NaN), where mb_exp's clamp and selects
+ * change nothing */
+static inline mb_vf mb_vexp_core(mb_vf xc)
 {
-    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
-    const mb_vf xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi); /* x > lo ? x : lo, then < hi */
     const mb_vf v = _mm512_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
     const mb_vf z = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     mb_vf r = _mm512_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
@@ -48,7 +51,14 @@ static inline mb_vf mb_vexp(mb_vf x)
     p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P4));
     p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P5));
     mb_vf y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), mb_vset(1.0f));
-    y = _mm512_scalef_ps(y, z);
+    return _mm512_scalef_ps(y, z);
+}
+
+static inline mb_vf mb_vexp(mb_vf x)
+{
+    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
+    /* x > lo ? x : lo, then < hi */
+    mb_vf y = mb_vexp_core(_mm512_min_ps(_mm512_max_ps(x, lo), hi));
     y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), mb_vzero());
     y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), mb_vset(mb_u2f_(0x7f800000u)));
     return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_EQ_OQ), y);
@@ -70,11 +80,11 @@ static inline __m256i mb_vmask_(int n) { return _mm256_cmpgt_epi32(_mm256_set1_e
 static inline mb_vf mb_vldn(const float *p, int n) { return _mm256_maskload_ps(p, mb_vmask_(n)); }
 static inline void mb_vstn(float *p, mb_vf v, int n) { _mm256_maskstore_ps(p, mb_vmask_(n), v); }
 static inline mb_vf mb_vneg(mb_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return _mm256_min_ps(a, b); }
+static inline int mb_vall_ge(mb_vf a, mb_vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) == 0xFF; }
 
-static inline mb_vf mb_vexp(mb_vf x)
+static inline mb_vf mb_vexp_core(mb_vf xc)
 {
-    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
-    const mb_vf xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
     const mb_vf v = _mm256_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
     const mb_vf z = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     mb_vf r = _mm256_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
@@ -88,7 +98,13 @@ static inline mb_vf mb_vexp(mb_vf x)
     const __m256i k = _mm256_cvtps_epi32(z), k1 = _mm256_srai_epi32(k, 1);
     const __m256i k2 = _mm256_sub_epi32(k, k1), bias = _mm256_set1_epi32(127);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23)));
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23)));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23)));
+}
+
+static inline mb_vf mb_vexp(mb_vf x)
+{
+    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
+    mb_vf y = mb_vexp_core(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
     y = _mm256_blendv_ps(y, mb_vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
     y = _mm256_blendv_ps(y, mb_vset(mb_u2f_(0x7f800000u)), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
     return _mm256_blendv_ps(x, y, _mm256_cmp_ps(x, x, _CMP_EQ_OQ));
@@ -108,7 +124,10 @@ static inline mb_vf mb_vdiv(mb_vf a, mb_vf b) { return a / b; }
 static inline mb_vf mb_vldn(const float *p, int n) { (void)n; return *p; }
 static inline void mb_vstn(float *p, mb_vf v, int n) { (void)n; *p = v; }
 static inline mb_vf mb_vneg(mb_vf a) { return -a; }
+static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return a < b ? a : b; }
+static inline int mb_vall_ge(mb_vf a, mb_vf b) { return a >= b; }
 static inline mb_vf mb_vexp(mb_vf x) { return mb_exp(x); }
+static inline mb_vf mb_vexp_core(mb_vf x) { return mb_exp(x); }
 #endif
 
 /* mb_silu: x / (1 + exp(-x)), one division */
