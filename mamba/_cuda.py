@@ -23,6 +23,7 @@ import threading
 
 from . import _core
 from . import _cuda_back1
+from . import _cuda_back2
 from . import _cuda_back3
 from . import _cuda_grad
 from . import _cuda_ssd
@@ -253,7 +254,7 @@ def _ptr(a):
 
 
 class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mixin,
-                  _cuda_back3.Back3Mixin):
+                  _cuda_back2.Back2Mixin, _cuda_back3.Back3Mixin):
     """Mamba blocks on device 0. Weights are uploaded once per block; host inputs
     give host outputs, device inputs give device outputs."""
     name = "cuda"

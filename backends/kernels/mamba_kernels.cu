@@ -13,4 +13,5 @@
 #include "ssd3.cu"
 #include "grad.cu"
 #include "back1.cu"
+#include "back2.cu"
 #include "back3.cu"

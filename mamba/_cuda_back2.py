@@ -1,0 +1,123 @@
+"""The Mamba-2 backward on the CUDA backend, the twin of reference/back2.c
+(mb_m2_backward); docs/numerics.md "Backward (Mamba-2)" gives every order.
+
+The forward of a zero-state prefill runs first through the forward's own kernels
+(ssd2.cu; with no state and no lengths the ext rows are the packed tokens), keeping
+what the backward reads: in_proj's output, the conv pre-activations and u, G, Y
+before the gate and the state entering every chunk. The SSD backward is
+backends/kernels/back2.cu; the norms, projections, conv and folds are the shared
+pieces of _cuda_grad.py.
+"""
+from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS, Y_THREADS
+
+BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
+                "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_sdh_k",
+                "mb_m2b_chain_k", "mb_m2b_col_k", "mb_m2b_dt_k", "mb_m2b_dgs_k", "mb_m2b_bc_k",
+                "mb_m2b_alog_k")
+
+
+class Back2Mixin:
+    """CudaBackend.m2_backward (the CPU backend's signature)."""
+
+    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw):
+        from . import _cuda
+        self._kernels(*BACK_KERNELS)
+        self._enter()
+        st = self.stream()
+        s, T = st.cu, _cuda.THREADS
+        dm, B, L = d_model, x.shape[0], x.shape[1]
+        di = 2 * dm
+        H, CD = di // HP, di + 2 * NS
+        NP, M, Q, per = di + CD + H, B * L, M2_Q, HP * NS
+        norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
+        plan = _Plan(B, L, None, 0, Q, False)
+        NC = plan.NC
+        nk = NC // B
+        lo, hi = _bits(dt_limit[0]), _bits(dt_limit[1])
+        back = []
+        with _cuda._Scratch(self, st) as sc:
+            I = plan.upload(sc)
+            xd, dyd = self._on_device(sc, x), self._on_device(sc, dy)
+            outs = []
+            for a in (gx,) + tuple(gw):
+                if a.device == self.name:
+                    outs.append(a.ptr)
+                else:
+                    outs.append(sc(a.size))
+                    back.append((a, outs[-1]))
+            g_x, g_norm, g_in, g_convw, g_convb, g_dtb, g_alog, g_D, g_gnorm, g_out = outs
+
+            # the forward, keeping its activations
+            r, xn, zx = sc(M), sc(M * dm), sc(M * NP)
+            P = self._parts(M, NP, dm)
+            self._rmsnorm(s, False, M, dm, xd, norm_w, xn, r)
+            self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, sc(P) if P else 0)
+            pre, U, DTR = sc(M * CD), sc(M * CD), sc(M * H)
+            self.g_conv_pre(s, B, L, CD, zx + 4 * di, NP, conv_w, conv_b, pre, CD, U, CD)
+            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * H, B), T,
+                         B, I["off"], I["off"], I["zero"], H, zx + 4 * (di + CD), NP, DTR)
+            dt, dA, cs = sc(NC * H * Q), sc(NC * H * Q), sc(NC * H * Q)
+            self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), T, NC, I["desc"], H, DTR,
+                         dt_bias, A_log, lo, hi, dt, dA, cs)
+            G = sc(NC * Q * Q)
+            self._launch(s, "mb_m2_g_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], di, CD, U, G)
+            S, Ec, hck, h0 = sc(NC * H * per), sc(NC * H), sc(NC * H * per), sc(B * H * per)
+            self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
+                         I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
+            self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s), "cuMemsetD32Async")
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,
+                         B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
+            Y, g, gn = sc(M * di), sc(M * di), sc(M * di)
+            self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+                         cs, hck, D, Y)
+            self._ck(self.cu.cuMemcpyDtoDAsync(g, Y, 4 * M * di, s), "cuMemcpyDtoDAsync")
+            self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), T, M, di, zx, NP, g)
+            self._rmsnorm(s, False, M, di, g, gnorm_w, gn, r)
+
+            # out_proj, the gated norm, the gate
+            dgn, dg, xr = sc(M * di), sc(M * di), sc(M * di)
+            self.g_linear_bwd(s, sc, M, dm, di, gn, di, out_proj, di, dyd, dm, g_out, dgn, di)
+            self.g_rmsnorm_bwd(s, sc, M, di, g, di, gnorm_w, dgn, di, dg, di, xr, di)
+            self.g_colfold(s, sc, B, L, di, dgn, di, g_gnorm, 1, xr, di)
+            dzxd, dY = sc(M * NP), sc(M * di)
+            self._launch(s, "mb_m2b_gate_k", (self._grid(M * di),), T, M, di, Y, zx, NP, dg,
+                         dzxd, dY)
+
+            # the SSD: each chunk's own part, the dh chain, the parts that read dh
+            Mb, Pb, dcs = sc(NC * H * Q * Q), sc(NC * H * Q * Q), sc(NC * H * Q)
+            dGh, dyo, dCoff = sc(M * H * Q), sc(M * di), sc(M * H * NS)
+            self._launch(s, "mb_m2b_row_k", (Q, H, NC), HP, I["desc"], H, di, CD, U, G, dt, dA,
+                         cs, hck, dY, Mb, Pb, dGh, dcs, dyo, dCoff)
+            Sd, dh = sc(NC * H * per), sc(NC * H * per)
+            self._launch(s, "mb_m2b_sdh_k", (NC, H), FOLD_THREADS, I["desc"], nk, H, di, CD, U,
+                         dyo, Sd)
+            self._launch(s, "mb_m2b_chain_k", (self._grid(B * H * per),), T, B, nk, H, Ec, Sd, dh)
+            du, dBst = sc(M * CD), sc(M * H * NS)
+            tmp, sacc, xdot = sc(NC * H * Q), sc(NC * H * Q), sc(NC * H * Q)
+            self._launch(s, "mb_m2b_col_k", (Q, H, NC), HP, I["desc"], nk, H, di, CD, U, dt, cs,
+                         dY, Mb, Pb, dh, D, du, dBst, tmp, sacc, xdot)
+            ddA, dts = sc(M * H), sc(M * H)
+            self._launch(s, "mb_m2b_dt_k", (self._grid(NC * H),), T, NC, I["desc"], nk, H, DTR,
+                         dt_bias, A_log, lo, hi, dt, cs, hck, dh, tmp, sacc, xdot, dcs,
+                         dzxd + 4 * (di + CD), NP, ddA, dts)
+            dGs = sc(NC * Q * Q)
+            self._launch(s, "mb_m2b_dgs_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], H,
+                         dGh, dGs)
+            self._launch(s, "mb_m2b_bc_k", (Q, NC, 2), NS, I["desc"], nk, H, di, CD, U, dGs,
+                         dCoff, dBst, du)
+
+            # the per-head vectors: D over (token, p), A_log and dt_bias over tokens
+            self.g_fold_flat(s, sc, M, HP, dY, di, g_D, U, CD, H, HP, HP)
+            self.g_fold_flat(s, sc, M, 1, ddA, H, g_alog, dts, H, H, 1, 1)
+            self._launch(s, "mb_m2b_alog_k", (1,), T, H, A_log, g_alog)
+            self.g_fold_flat(s, sc, M, 1, dzxd + 4 * (di + CD), NP, g_dtb, 0, 0, H, 1)
+
+            # conv + silu, in_proj, the block norm and the residual
+            self.g_conv_silu_bwd(s, sc, B, L, CD, du, CD, pre, CD, zx + 4 * di, NP, conv_w,
+                                 g_convw, g_convb, dzxd + 4 * di, NP)
+            dxn, xr2 = sc(M * dm), sc(M * dm)
+            self.g_linear_bwd(s, sc, M, NP, dm, xn, dm, in_proj, dm, dzxd, NP, g_in, dxn, dm)
+            self.g_rmsnorm_bwd(s, sc, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xr2, dm)
+            self.g_colfold(s, sc, B, L, dm, dxn, dm, g_norm, 1, xr2, dm)
+            self.g_add(s, M * dm, g_x, dyd, g_x)
+            self._finish(st, back)
