@@ -2,9 +2,11 @@
 baselines, in one process: Hugging Face transformers' MambaBlock / Mamba2Block (CPU torch
 float32) and, for Mamba-3 (no HF implementation), the torch eager block in
 bench/torch_mamba3.py. Forward, decode step and forward + backward (torch autograd).
-Prints a header (date, commit, machine) and markdown rows for docs/performance.md.
+Prints a header (date, commit, machine, the CPU ISA copy in use) and markdown rows for
+docs/performance.md, each followed by the load average while it ran (other processes
+on the machine slow our OpenMP threads more than torch's: compare under low load).
 
-    python bench/cpu.py [--blocks mamba1 mamba2 mamba3] [--quick]
+    python bench/cpu.py [--blocks mamba1 mamba2 mamba3] [--quick] [--forward-only] [--rounds N]
 """
 import argparse
 import datetime
@@ -22,19 +24,24 @@ from transformers.models.mamba.modeling_mamba import MambaBlock
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Block
 
 import mamba
+from mamba import _core
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_mamba3  # noqa: E402
 
 
-def median_ms(fn, reps):
+def paired_ms(fn, ref, reps):
+    """Medians (ms) of reps timed calls of fn and of ref after a warm-up each, the two
+    alternating call by call so that a change of load hits both."""
+    times = ([], [])
     fn()
-    times = []
+    ref()
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for f, t in zip((fn, ref), times):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(t) for t in times]
 
 
 # ------------------------------------------------------------------ baselines
@@ -88,19 +95,24 @@ def row(case, ours, theirs, who):
     return f"| {case} | {ours:.1f} ms | {theirs:.1f} ms ({who}) | {theirs / ours:.1f}x |"
 
 
-def forward_row(name, B, L, dm, reps, baseline=True):
+def load():
+    """The 1-minute load average, or '?' where the platform has none."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "?"
+
+
+def forward_row(name, B, L, dm, reps):
     w = mamba.random_weights(name, dm)
     ours = CLASSES[name](w, backend="cpu")
     x = np.random.default_rng(0).standard_normal((B, L, dm)).astype(np.float32)
-    t_us = median_ms(lambda: ours.forward(x), reps)
     case = f"{CLASSES[name].__name__}.forward B={B} L={L} d_model={dm}"
-    if not baseline:
-        return f"| {case} | {t_us:.1f} ms | not run | |"
     who, make = BASELINE[name]
     ref = make(w, dm)
     xt = torch.from_numpy(x)
     with torch.no_grad():
-        t_ref = median_ms(lambda: ref(xt), reps)
+        t_us, t_ref = paired_ms(lambda: ours.forward(x), lambda: ref(xt), reps)
     return row(case, t_us, t_ref, who)
 
 
@@ -110,7 +122,6 @@ def backward_row(name, B, L, dm, reps):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, L, dm)).astype(np.float32)
     dy = rng.standard_normal((B, L, dm)).astype(np.float32)
-    t_us = median_ms(lambda: (ours.forward(x), ours.backward(x, dy)), reps)
     who, make = BASELINE[name]
     ref = make(w, dm)  # eval mode: the same slow path as forward, with autograd
     xt = torch.from_numpy(x).requires_grad_(True)
@@ -121,7 +132,7 @@ def backward_row(name, B, L, dm, reps):
         xt.grad = None
         ref(xt).backward(dyt)
 
-    t_ref = median_ms(step, reps)
+    t_us, t_ref = paired_ms(lambda: (ours.forward(x), ours.backward(x, dy)), step, reps)
     return row(f"{CLASSES[name].__name__} forward + backward B={B} L={L} d_model={dm}",
                t_us, t_ref, who + " + autograd")
 
@@ -143,17 +154,21 @@ def decode_row(name, dm, prompt, reps):
             for t in range(prompt):
                 torch_mamba3.torch_step(tw, torch.from_numpy(xp[:, t]), tst)
             tt = torch.from_numpy(tok[:, 0])
-            t_ref = median_ms(lambda: torch_mamba3.torch_step(tw, tt, tst), reps)
+
+            def ref_step():
+                torch_mamba3.torch_step(tw, tt, tst)
             who = "torch eager step"
         else:
             ref, cfg = (hf_mamba1 if name == "mamba1" else hf_mamba2)(w, dm)
             cache = DynamicCache(config=cfg)
             ref(torch.from_numpy(xp), cache=cache)
             tt = torch.from_numpy(tok)
-            t_ref = median_ms(lambda: ref(tt, cache=cache), reps)
+
+            def ref_step():
+                ref(tt, cache=cache)
             who = "HF cached step"
-    with ours.decode_session(st) as s:
-        t_sess = median_ms(lambda: s.step(tok), reps)
+        with ours.decode_session(st) as s:
+            t_sess, t_ref = paired_ms(lambda: s.step(tok), ref_step, reps)
     return row(f"{CLASSES[name].__name__} decode step (session) d_model={dm} B=1",
                t_sess, t_ref, who)
 
@@ -170,29 +185,40 @@ def header():
             cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    isa = ("baseline", "x86-64-v3", "x86-64-v4")[_core._isa(-1)]
     return (f"{datetime.date.today()}, commit {commit}, {os.cpu_count()} cores ({cpu}), "
-            f"torch {torch.__version__} with {torch.get_num_threads()} threads, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+            f"CPU ISA copy {isa}, torch {torch.__version__} with {torch.get_num_threads()} "
+            f"threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", nargs="+", default=list(CLASSES))
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--forward-only", action="store_true",
+                   help="only the B=1 L=2048 d_model=384 forward rows")
+    p.add_argument("--rounds", type=int, default=1, help="repeat everything this many times")
     args = p.parse_args()
     reps = 3 if args.quick else 7
     print(header())
-    print("| case | mamba-blocks | baseline | speed-up |")
-    print("|---|---|---|---|")
-    for name in args.blocks:
-        print(forward_row(name, 1, 2048, 384, reps), flush=True)
-        if name == "mamba2":
-            print(forward_row(name, 4, 4096, 768, 2, baseline=False), flush=True)
-        print(decode_row(name, 1024, 384 if name == "mamba2" else 60, 10 * reps), flush=True)
-        try:
-            print(backward_row(name, 1, 2048, 384, max(2, reps // 2)), flush=True)
-        except NotImplementedError as e:
-            print(f"| {CLASSES[name].__name__} forward + backward | {e} | | |")
+    print("| case | mamba-blocks | baseline | speed-up | load |")
+    print("|---|---|---|---|---|")
+
+    def out(r):
+        print(f"{r} {load()} |", flush=True)
+
+    for _ in range(args.rounds):
+        for name in args.blocks:
+            out(forward_row(name, 1, 2048, 384, reps))
+            if args.forward_only:
+                continue
+            if name == "mamba2":
+                out(forward_row(name, 4, 4096, 768, 2))
+            out(decode_row(name, 1024, 384 if name == "mamba2" else 60, 10 * reps))
+            try:
+                out(backward_row(name, 1, 2048, 384, max(2, reps // 2)))
+            except NotImplementedError as e:
+                out(f"| {CLASSES[name].__name__} forward + backward | {e} | | |")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ void MB_ISA_FN(mb_m1_front)(const mb_m1_weights *w, int64_t B, const int64_t *of
 
     MB_ISA_FN(mb_gemm)(M, XR, di, u, di, w->x_proj, di, xdbl, XR);
     MB_ISA_FN(mb_gemm)(M, di, R, xdbl, XR, w->dt_proj_w, R, delta, di);
-    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+    #pragma omp parallel for schedule(dynamic, 16) if (M * di > (1 << 15))
     for (int64_t m = 0; m < M; m++) {
         mb_fpenv env = mb_fpenv_enter();
         for (int64_t c = 0; c < di; c++) {

@@ -320,7 +320,7 @@ void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs
     #pragma omp parallel if (M * H > (1 << 12))
     {
         mb_fpenv env = mb_fpenv_enter();
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 16)
         for (int64_t m = 0; m < M; m++) {
             const float *r = zx + m * dip;
             for (int64_t hh = 0; hh < H; hh++) {

@@ -15,7 +15,7 @@ void MB_ISA_FN(mb_rmsnorm_rows)(int64_t M, int64_t n, const float *x, int64_t ld
     #pragma omp parallel if (M * n > (1 << 16))
     {
         mb_fpenv env = mb_fpenv_enter();
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t blk = 0; blk < nb; blk++) {
             const int64_t m0 = blk * NROW;
             const int nr = M - m0 < NROW ? (int)(M - m0) : NROW;
@@ -48,6 +48,8 @@ void MB_ISA_FN(mb_out_residual)(int64_t M, int64_t dm, int64_t di, const float *
                                 const float *W, const float *x, float *scratch, float *out)
 {
     MB_ISA_FN(mb_gemm)(M, dm, di, y, di, W, di, scratch, dm);
-    for (int64_t i = 0; i < M * dm; i++)
-        out[i] = x[i] + scratch[i];
+    #pragma omp parallel for schedule(dynamic, 64) if (M * dm > (1 << 16))
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < dm; j++)
+            out[m * dm + j] = x[m * dm + j] + scratch[m * dm + j];
 }
