@@ -3,6 +3,7 @@
  * process holds at most SLOTS * KEEP bytes it is not using. Blocks from 2 MiB are
  * aligned to 2 MiB and offered to the kernel as huge pages (fewer faults and TLB
  * misses when a block is first touched). */
+#define _DEFAULT_SOURCE /* MADV_HUGEPAGE under -std=c11 */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
