@@ -107,8 +107,7 @@ static void fold(int64_t n, const float *Bm, int64_t ldu, const float *cs, const
 /* dst (rows, cols) = src^T, src (cols, rows). */
 static void transpose(int64_t rows, int64_t cols, const float *src, float *dst)
 {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = src[c * rows + r];
+    mb_transpose_tile(cols, rows, src, rows, dst, cols);
 }
 
 /* Per-thread scratch of the SSD and the report, in floats. */

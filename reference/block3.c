@@ -251,9 +251,7 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
     };
     float *theta = st->theta + (b * H + h) * NA, *hs = st->h + (b * H + h) * PV * NQK;
     float *hT = s + S_HT;
-    for (int p = 0; p < PV; p++)
-        for (int n = 0; n < NQK; n++)
-            hT[n * PV + p] = hs[p * NQK + n];
+    mb_transpose_tile(PV, NQK, hs, NQK, hT, PV);
     if (c->pending) {
         /* upstream Input_States: h0 = h + (v_st * k_st) * (dt_1 * (1 - sig_1)) */
         float *pk = st->pending_k + (b * H + h) * NQK, *pv = st->pending_v + (b * H + h) * PV;
@@ -279,9 +277,7 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         nb += n;
         t += n;
     }
-    for (int p = 0; p < PV; p++)
-        for (int n = 0; n < NQK; n++)
-            hs[p * NQK + n] = hT[n * PV + p];
+    mb_transpose_tile(NQK, PV, hT, PV, hs, NQK);
 
     const mb_m3_reports *rep = c->rep;
     if (!rep)
@@ -291,10 +287,7 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         /* the working chunk closed as if the sequence ended: the last row's beta is +0 */
         float *hl = s + S_ST;
         MB_ISA_FN(mb_m3_fold)(&hv, nb, 0.0f, hT, hl, s);
-        float *o = rep->h_last + bh * PV * NQK;
-        for (int p = 0; p < PV; p++)
-            for (int n = 0; n < NQK; n++)
-                o[p * NQK + n] = hl[n * PV + p];
+        mb_transpose_tile(NQK, PV, hl, PV, rep->h_last + bh * PV * NQK, NQK);
     }
     if (rep->k_last)
         memcpy(rep->k_last + bh * NQK, hv.k + (nb - 1) * hv.qs, NQK * sizeof(float));

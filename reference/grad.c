@@ -6,6 +6,7 @@
 #include "fpenv.h"
 #include "gemm.h"
 #include "mamba_ref.h"
+#include "simd.h"
 
 #define TB 32   /* transpose tile */
 #define CBLK 64 /* columns per colfold task */
@@ -18,8 +19,7 @@ void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64
     for (int64_t task = 0; task < nr * nc; task++) {
         const int64_t r0 = task / nc * TB, c0 = task % nc * TB;
         const int64_t r1 = r0 + TB < rows ? r0 + TB : rows, c1 = c0 + TB < cols ? c0 + TB : cols;
-        for (int64_t c = c0; c < c1; c++)
-            for (int64_t r = r0; r < r1; r++) dst[c * ldd + r] = src[r * lds + c];
+        mb_transpose_tile(r1 - r0, c1 - c0, src + r0 * lds + c0, lds, dst + c0 * ldd + r0, ldd);
     }
 }
 

@@ -10,6 +10,7 @@
  * vscalefps (the two-step scaling's first product is exact, so both round once). */
 #ifndef MB_SIMD_H
 #define MB_SIMD_H
+#include <stdint.h>
 #include "numerics.h"
 
 /* Kernels keep accumulator arrays in registers; that needs their short constant
@@ -132,5 +133,46 @@ static inline mb_vf mb_vexp_core(mb_vf x) { return mb_exp(x); }
 
 /* mb_silu: x / (1 + exp(-x)), one division */
 static inline mb_vf mb_vsilu(mb_vf x) { return mb_vdiv(x, mb_vadd(mb_vset(1.0f), mb_vexp(mb_vneg(x)))); }
+
+#if defined(__AVX2__)
+/* d[j * ld + i] = s[i * ls + j] for an 8 x 8 block, in registers */
+static inline void mb_tr8x8_(const float *s, int64_t ls, float *d, int64_t ld)
+{
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * ls);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) { /* rows h..h+3: columns j and j + 4 in u[h + j] */
+        u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+        u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+        u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+        u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(d + j * ld, _mm256_permute2f128_ps(u[j], u[4 + j], 0x20));
+        _mm256_storeu_ps(d + (j + 4) * ld, _mm256_permute2f128_ps(u[j], u[4 + j], 0x31));
+    }
+}
+#endif
+
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols, in this thread (pure
+ * data movement: no bits at stake) */
+static inline void mb_transpose_tile(int64_t rows, int64_t cols, const float *src, int64_t lds,
+                                     float *dst, int64_t ldd)
+{
+    int64_t r0 = 0;
+#if defined(__AVX2__)
+    for (; r0 + 8 <= rows; r0 += 8) {
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) mb_tr8x8_(src + r0 * lds + c, lds, dst + c * ldd + r0, ldd);
+        for (; c < cols; c++)
+            for (int64_t r = r0; r < r0 + 8; r++) dst[c * ldd + r] = src[r * lds + c];
+    }
+#endif
+    for (int64_t c = 0; c < cols; c++)
+        for (int64_t r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
+}
 
 #endif
