@@ -22,6 +22,7 @@
 /* Tiles: TR3 rows by 64 columns under AVX-512 (16 elsewhere); 16-column tiles for the
  * rest of N, and single rows when fewer than half a tile's rows are left (decode). */
 #define TR3 6
+#define PF 4 /* rows put_rows prefetches ahead */
 #define WV (MB_VW == 16 ? 4 : 16 / MB_VW)
 #define NV16 (16 / MB_VW)
 
@@ -92,17 +93,18 @@ void MB_ISA_FN(mb_m3_put_rows)(const m3_ctx *c, const m3_head *hv, int64_t h, in
                                int64_t i0, int64_t n, float *theta, float *s)
 {
     const int64_t H = c->H;
-    /* z and x rows are one stride of in_proj apart: too far for the hardware prefetcher */
-    for (int64_t i = 0; i < n; i++) {
-        const float *r = c->zx + (tok0 + i) * c->dip + h * PV;
-        for (int l = 0; l < PV; l += 16) {
-            __builtin_prefetch(r + l);
-            __builtin_prefetch(r + c->di + l);
-        }
-    }
     float *Qb = s + S_QB, *Kb = s + S_KB;
     const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
     for (int64_t i = 0; i < n; i++) {
+        /* this head's z and x of a later row (v below, z in the gate): rows one stride
+         * of in_proj apart are too far for the hardware prefetcher */
+        if (i + PF < n) {
+            const float *r = c->zx + (tok0 + i + PF) * c->dip + h * PV;
+            for (int l = 0; l < PV; l += 16) {
+                __builtin_prefetch(r + l);
+                __builtin_prefetch(r + c->di + l);
+            }
+        }
         const float *Cn = c->Cn + (tok0 + i) * NQK, *Bn = c->Bn + (tok0 + i) * NQK;
         for (int m = 0; m < NQK; m++) {
             Qb[i * NQK + m] = Cn[m] + Cb[m];
@@ -148,9 +150,14 @@ void MB_ISA_FN(mb_m3_put_rows)(const m3_ctx *c, const m3_head *hv, int64_t h, in
             ko[2 * r] = (k0 * cs[r]) - (k1 * sn[r]);
             ko[2 * r + 1] = (k0 * sn[r]) + (k1 * cs[r]);
         }
-        memcpy(qo + 2 * NA, q + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-        memcpy(ko + 2 * NA, k + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-        memcpy(hv->v + row * hv->vs, c->zx + tok * c->dip + c->di + h * PV, PV * sizeof(float));
+        /* short copies inline: a libc call per row costs more than the copy */
+        for (int l = 2 * NA; l < NQK; l += MB_VW) {
+            mb_vst(qo + l, mb_vld(q + l));
+            mb_vst(ko + l, mb_vld(k + l));
+        }
+        const float *xv = c->zx + tok * c->dip + c->di + h * PV;
+        for (int l = 0; l < PV; l += MB_VW)
+            mb_vst(hv->v + row * hv->vs + l, mb_vld(xv + l));
         hv->dt[row * hv->ss] = dt;
         hv->sig[row * hv->ss] = c->sig[tok * H + h];
         hv->adt[row * hv->ss] = c->adt[tok * H + h];
