@@ -240,6 +240,20 @@ MB_DEV void m3_stage(float (*dst)[Y3K + 1], const float *src, int64_t e0, int64_
     }
 }
 
+/* acc[r][q] advanced by the staged columns: the chain of row 4 ti + r of At with row
+ * 4 tj + q of Bt, column by column. */
+MB_DEV void m3_products(float (&acc)[4][4], const float (*At)[Y3K + 1], const float (*Bt)[Y3K + 1],
+                        int ti, int tj)
+{
+#pragma unroll
+    for (int mm = 0; mm < Y3K; mm++)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
+}
+
 /* Block (head h, chunk c), Y3_THREADS threads; thread (ti, tj) owns rows 4 ti..+3
  * and columns 4 tj..+3 of each 64 x 64 product. The chains are the C reference's:
  * G[i][j] = q_i . (k_j * scale_j) over m ascending (both staged Y3K columns at a
@@ -272,13 +286,7 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
             return j + 1 < n ? m3_scale(DT, SIG, H, (e0 + j) * H + h, true) : 0.0f;
         });
         __syncthreads();
-#pragma unroll
-        for (int mm = 0; mm < Y3K; mm++)
-#pragma unroll
-            for (int r = 0; r < 4; r++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
+        m3_products(acc, At, Bt, ti, tj);
     }
     /* seg down column j (thread j) into Mt, and cs (thread M3Q) into ecs */
     if (tid < n) {
@@ -317,13 +325,7 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
             Bt[p][mm] = hp[p * SSD_NS + m0 + mm];
         }
         __syncthreads();
-#pragma unroll
-        for (int mm = 0; mm < Y3K; mm++)
-#pragma unroll
-            for (int r = 0; r < 4; r++)
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
+        m3_products(acc, At, Bt, ti, tj);
     }
 #pragma unroll
     for (int r = 0; r < 4; r++) {
