@@ -67,11 +67,7 @@ class Back3Mixin:
 
             # the forward again: B and C norms, per-token values, rotation, chunk
             # states, the gated output
-            Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
-            for col, wn, o in ((oB, Bn_w, Bn), (oC, Cn_w, Cn)):
-                self._launch(s, "mb_ssd_put_k", rows(L * NS, B), THREADS,
-                             B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
-                self._rmsnorm(s, False, M, NS, raw, wn, o, I["r"])
+            Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, zx, di, NP, Bn_w, Cn_w, False)
             Q, K, V = sc(M * H * NS), sc(M * H * NS), sc(M * di)
             DT, SIG, ADT, QKG, TA = sc(M * H), sc(M * H), sc(M * H), sc(M * H), sc(M * NA)
             self._launch(s, "mb_m3_prep_k", rows(L * (H + NA), B), THREADS,

@@ -217,6 +217,18 @@ class SsdMixin:
         return out
 
     # ---------------------------------------------------------------- Mamba-3
+    def _m3_bc_norms(self, s, sc, B, L, I, zx, di, NP, Bn_w, Cn_w, fast):
+        """B and C RMSNorm over N of in_proj's rows zx (each gathered into its own
+        rows first): the (Bn, Cn) device pointers, M rows each."""
+        C = self._ssd_fn()
+        M = I["M"]
+        Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
+        for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
+            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * NS, B), C.THREADS,
+                         B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
+            self._rmsnorm(s, fast, M, NS, raw, wn, out, I["r"])
+        return Bn, Cn
+
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
@@ -250,12 +262,7 @@ class SsdMixin:
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
                                      fast)
-            # B and C RMSNorm over N (each gathered into its own rows first)
-            Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
-            for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
-                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * NS, B), C.THREADS,
-                             B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
-                self._rmsnorm(s, fast, M, NS, raw, wn, out, I["r"])
+            Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, zx, di, NP, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
             Q, K, V = sc(E * H * NS), sc(E * H * NS), sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
