@@ -185,12 +185,14 @@ void MB_ISA_FN(mb_m3_chunk_out)(const m3_ctx *c, const m3_head *hv, int64_t h, i
     const int64_t nj = r1 - 1;
     if (nj > 0) {
         const int64_t pad = UP16(nj);
+        float *ks = s + S_KS; /* scaled rows, then transposed into kst */
         for (int64_t j = 0; j < nj; j++) {
             const float sc = scale_of(hv, j);
             const float *kr = hv->k + j * hv->qs;
             for (int n = 0; n < NQK; n++)
-                kst[n * QCAP + j] = kr[n] * sc;
+                ks[j * NQK + n] = kr[n] * sc;
         }
+        mb_transpose_tile(nj, NQK, ks, NQK, kst, QCAP);
         for (int n = 0; n < NQK; n++)
             for (int64_t j = nj; j < pad; j++)
                 kst[n * QCAP + j] = 0.0f;
