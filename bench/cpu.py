@@ -6,7 +6,12 @@ Prints a header (date, commit, machine, the CPU ISA copy in use) and markdown ro
 docs/performance.md, each followed by the load average while it ran (other processes
 on the machine slow our OpenMP threads more than torch's: compare under low load).
 
-    python bench/cpu.py [--blocks mamba1 mamba2 mamba3] [--quick] [--forward-only] [--rounds N]
+    python bench/cpu.py [--blocks mamba1 mamba2 mamba3] [--rows forward big decode backward]
+                        [--quick] [--rounds N]
+
+Rows: forward (B=1 L=2048 d_model=384), big (Mamba-2 only: B=4 L=4096 d_model=768),
+decode (one session step at d_model 1024 after a prompt), backward (forward + backward,
+B=1 L=2048 d_model=384; HF's Mamba-1 slow path takes many minutes there).
 """
 import argparse
 import datetime
@@ -191,12 +196,14 @@ def header():
             f"threads, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 
 
+ROWS = ("forward", "big", "decode", "backward")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", nargs="+", default=list(CLASSES))
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.add_argument("--forward-only", action="store_true",
-                   help="only the B=1 L=2048 d_model=384 forward rows")
+    p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--rounds", type=int, default=1, help="repeat everything this many times")
     args = p.parse_args()
     reps = 3 if args.quick else 7
@@ -209,16 +216,17 @@ def main():
 
     for _ in range(args.rounds):
         for name in args.blocks:
-            out(forward_row(name, 1, 2048, 384, reps))
-            if args.forward_only:
-                continue
-            if name == "mamba2":
+            if "forward" in args.rows:
+                out(forward_row(name, 1, 2048, 384, reps))
+            if "big" in args.rows and name == "mamba2":
                 out(forward_row(name, 4, 4096, 768, 2))
-            out(decode_row(name, 1024, 384 if name == "mamba2" else 60, 10 * reps))
-            try:
-                out(backward_row(name, 1, 2048, 384, max(2, reps // 2)))
-            except NotImplementedError as e:
-                out(f"| {CLASSES[name].__name__} forward + backward | {e} | | |")
+            if "decode" in args.rows:
+                out(decode_row(name, 1024, 384 if name == "mamba2" else 60, 10 * reps))
+            if "backward" in args.rows:
+                try:
+                    out(backward_row(name, 1, 2048, 384, max(2, reps // 2)))
+                except NotImplementedError as e:
+                    out(f"| {CLASSES[name].__name__} forward + backward | {e} | | |")
 
 
 if __name__ == "__main__":
