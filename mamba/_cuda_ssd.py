@@ -143,7 +143,10 @@ class SsdMixin:
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
                                      fast)
             # conv + silu over xBC, then the ext rows: buffered ones, then new ones
-            unew, U, DTR = sc(M * CD), sc(E * CD), sc(E * H)
+            # (with none buffered, the conv's packed rows are the ext rows already)
+            direct = buffered_tokens == 0
+            U, DTR = sc(E * CD), sc(E * H)
+            unew = U if direct else sc(M * CD)
             xbc = zx + 4 * di
             conv = "mb_fast_conv_silu_k" if fast else "mb_conv_silu_k"
             self._launch(s, conv, self._rows_grid(L * CD, B), C.THREADS,
@@ -151,6 +154,8 @@ class SsdMixin:
             self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw)
             for buf, ext, W, src, lds in ((bx, U, CD, unew, CD), (bd, DTR, H, xbc + 4 * CD, NP)):
+                if ext == src:
+                    continue
                 self._launch(s, "mb_ssd_load_k", self._rows_grid(M2_Q * W, B), C.THREADS,
                              B, I["eoff"], I["t0"], M2_Q, W, buf, ext)
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * W, B), C.THREADS,
@@ -163,7 +168,8 @@ class SsdMixin:
             G = sc(NC * M2_Q * M2_Q)
             self._launch(s, "mb_m2_g_k", (self._grid(NC * M2_Q * M2_Q),), C.THREADS,
                          NC, I["desc"], di, CD, U, G)
-            S, Ec, hck = sc(NC * H * per), sc(NC * H), sc(NC * H * per)
+            S, Ec = sc(NC * H * per), sc(NC * H)
+            hck = S  # the state pass overwrites each contraction with the state it enters
             self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
@@ -176,9 +182,8 @@ class SsdMixin:
                              B, I["store"], M2_Q, W, ext, buf)
             # gate before the norm, the gated norm, out_proj, residual
             self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
-            gn = sc(M * di)
-            self._rmsnorm(s, fast, M, di, yg, gnorm_w, gn, I["r"])
-            self._back(s, B, L, dm, di, M, I, gn, out_proj, xd, xn, yd, parts, fast)
+            self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
+            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
             if y.device == "cpu":
                 back.append((y, yd))
             self._finish(st, back)
@@ -286,7 +291,8 @@ class SsdMixin:
                 for a, n in ((pk, B * H * NS), (pv, B * H * HP)):
                     self._ck(self.cu.cuMemsetD32Async(a, 0, n, s), "cuMemsetD32Async")
             # the chunks: sealed ones' contractions, the state pass, the outputs
-            S, Ec, hck = sc(NC * H * per), sc(NC * H), sc(NC * H * per)
+            S, Ec = sc(NC * H * per), sc(NC * H)
+            hck = S  # as for Mamba-2
             self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
                          I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,

@@ -53,7 +53,7 @@ MB_KERNEL void mb_ssd_store_k(int64_t B, const int64_t *st, int64_t Q, int64_t W
  * receives the state entering chunk c, and a folding chunk moves it on by
  * h = fma(E[c, h], h, S[c, h]) (E = exp(dA_cs_last), S the chunk's contraction).
  * h (B, H, HP, NS) ends as the state entering the last chunk's successor. One
- * thread per element of h. */
+ * thread per element of h; hck may be S itself (each element is read first). */
 MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
                               const float *E, const float *S, float *h, float *hck)
 {
@@ -63,9 +63,10 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
         float v = h[i];
         for (int64_t c = cbeg[b]; c < cbeg[b + 1]; c++) {
             const int64_t ch = c * H + hh;
+            const bool fold = desc[c * MB_DESC + 5] != 0;
+            const float sv = fold ? S[ch * per + e] : 0.0f; /* read before hck, which may be S */
             hck[ch * per + e] = v;
-            if (desc[c * MB_DESC + 5])
-                v = fmaf(E[ch], v, S[ch * per + e]);
+            if (fold) v = fmaf(E[ch], v, sv);
         }
         h[i] = v;
     }
