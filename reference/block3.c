@@ -247,20 +247,45 @@ static void clear_rows(const m3_head *hv)
     }
 }
 
-/* Row b, head h over its len tokens starting at packed index tok0. */
-static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_t len, float *s)
+/* One (row, head) between its segments: a segment is the tokens that fall in one chunk
+ * of the grid, and the segments of a (row, head) run in order, each one a task. */
+typedef struct {
+    m3_head hv;
+    float *theta, *hs, *hT; /* hT (NQK, PV): h^T of the working chunk */
+    int64_t b, h, tok0, len, t, nb;
+} m3_run;
+
+/* Segments of len tokens after nb0 buffered rows (a full chunk folds first). */
+static int64_t segments(int64_t nb0, int64_t len)
+{
+    const int64_t n0 = len < CQ - nb0 % CQ ? len : CQ - nb0 % CQ;
+    return 1 + (len - n0 + CQ - 1) / CQ;
+}
+
+/* Row b, head h over its len tokens starting at packed index tok0: h^T into hT, and
+ * the pending input state folded in. */
+static void run_begin(const m3_ctx *c, m3_run *r, int64_t b, int64_t h, int64_t tok0,
+                      int64_t len, float *hT)
 {
     const mb_m3_state *st = c->st;
     const int64_t H = c->H;
-    m3_head hv = {
+    const m3_head hv = {
         st->buffer_qrot + (b * QCAP * H + h) * NQK, st->buffer_krot + (b * QCAP * H + h) * NQK,
         st->buffer_v + (b * QCAP * H + h) * PV, st->buffer_dt + b * QCAP * H + h,
         st->buffer_sig + b * QCAP * H + h, st->buffer_adt + b * QCAP * H + h,
         H * NQK, H * PV, H, NULL,
     };
-    float *theta = st->theta + (b * H + h) * NA, *hs = st->h + (b * H + h) * PV * NQK;
-    float *hT = s + S_HT;
-    mb_transpose_tile(PV, NQK, hs, NQK, hT, PV);
+    r->hv = hv;
+    r->theta = st->theta + (b * H + h) * NA;
+    r->hs = st->h + (b * H + h) * PV * NQK;
+    r->hT = hT;
+    r->b = b;
+    r->h = h;
+    r->tok0 = tok0;
+    r->len = len;
+    r->t = 0;
+    r->nb = c->nb0;
+    mb_transpose_tile(PV, NQK, r->hs, NQK, hT, PV);
     if (c->pending) {
         /* upstream Input_States: h0 = h + (v_st * k_st) * (dt_1 * (1 - sig_1)) */
         float *pk = st->pending_k + (b * H + h) * NQK, *pv = st->pending_v + (b * H + h) * PV;
@@ -271,39 +296,47 @@ static void run_head(const m3_ctx *c, int64_t b, int64_t h, int64_t tok0, int64_
         memset(pk, 0, NQK * sizeof(float));
         memset(pv, 0, PV * sizeof(float));
     }
-    int64_t nb = c->nb0;
-    for (int64_t t = 0; t < len;) {
-        if (nb == CQ) {
-            const int64_t tok = tok0 + t;
-            MB_ISA_FN(mb_m3_fold)(&hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]),
-                                  hT, hT, s);
-            clear_rows(&hv);
-            nb = 0;
-        }
-        const int64_t n = len - t < CQ - nb ? len - t : CQ - nb;
-        MB_ISA_FN(mb_m3_put_rows)(c, &hv, h, tok0 + t, nb, n, theta, s);
-        MB_ISA_FN(mb_m3_chunk_out)(c, &hv, h, nb, nb + n, tok0 + t, hT, s);
-        nb += n;
-        t += n;
-    }
-    mb_transpose_tile(NQK, PV, hT, PV, hs, NQK);
+}
 
+/* The next segment: a full working chunk is folded (the first token after it gives
+ * the last row's beta) and cleared, then the segment's rows and outputs. */
+static void run_step(const m3_ctx *c, m3_run *r, float *s)
+{
+    const int64_t H = c->H, h = r->h;
+    if (r->nb == CQ) {
+        const int64_t tok = r->tok0 + r->t;
+        MB_ISA_FN(mb_m3_fold)(&r->hv, CQ, beta_of(c->dt[tok * H + h], c->sig[tok * H + h]),
+                              r->hT, r->hT, s);
+        clear_rows(&r->hv);
+        r->nb = 0;
+    }
+    const int64_t n = r->len - r->t < CQ - r->nb ? r->len - r->t : CQ - r->nb;
+    MB_ISA_FN(mb_m3_put_rows)(c, &r->hv, h, r->tok0 + r->t, r->nb, n, r->theta, s);
+    MB_ISA_FN(mb_m3_chunk_out)(c, &r->hv, h, r->nb, r->nb + n, r->tok0 + r->t, r->hT, s);
+    r->nb += n;
+    r->t += n;
+}
+
+/* h back into the state, and the reports of the row's last token. */
+static void run_end(const m3_ctx *c, const m3_run *r, float *s)
+{
+    const int64_t bh = r->b * c->H + r->h, nb = r->nb;
+    mb_transpose_tile(NQK, PV, r->hT, PV, r->hs, NQK);
     const mb_m3_reports *rep = c->rep;
     if (!rep)
         return;
-    const int64_t bh = b * H + h;
     if (rep->h_last) {
         /* the working chunk closed as if the sequence ended: the last row's beta is +0 */
         float *hl = s + S_ST;
-        MB_ISA_FN(mb_m3_fold)(&hv, nb, 0.0f, hT, hl, s);
+        MB_ISA_FN(mb_m3_fold)(&r->hv, nb, 0.0f, r->hT, hl, s);
         mb_transpose_tile(NQK, PV, hl, PV, rep->h_last + bh * PV * NQK, NQK);
     }
     if (rep->k_last)
-        memcpy(rep->k_last + bh * NQK, hv.k + (nb - 1) * hv.qs, NQK * sizeof(float));
+        memcpy(rep->k_last + bh * NQK, r->hv.k + (nb - 1) * r->hv.qs, NQK * sizeof(float));
     if (rep->v_last)
-        memcpy(rep->v_last + bh * PV, hv.v + (nb - 1) * hv.vs, PV * sizeof(float));
+        memcpy(rep->v_last + bh * PV, r->hv.v + (nb - 1) * r->hv.vs, PV * sizeof(float));
     if (rep->theta_last)
-        memcpy(rep->theta_last + bh * NA, theta, NA * sizeof(float));
+        memcpy(rep->theta_last + bh * NA, r->theta, NA * sizeof(float));
 }
 
 void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs, float *xn,
@@ -348,21 +381,27 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     int nth = mb_max_threads();
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
-    if (!off)
+    m3_run *runs = malloc((size_t)(B * H) * sizeof *runs);
+    if (!off || !runs) {
+        free(off);
+        free(runs);
         return MB_ENOMEM;
+    }
     const int64_t M = mb_row_offsets(B, L, lengths, off);
-    /* per-thread scratch, xn/out (M dm), zx (M dip), Bn, Cn (M NQK), dt, sig, adt (M H),
-     * ta (M NA), yg (M di), and the packed input and output when the batch is ragged */
+    /* per-thread scratch, h^T of every (row, head), xn/out (M dm), zx (M dip), Bn, Cn
+     * (M NQK), dt, sig, adt (M H), ta (M NA), yg (M di), and the packed input and
+     * output when the batch is ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *scr = mb_scratch_take((size_t)(nth * S_TOTAL
+    float *scr = mb_scratch_take((size_t)(nth * S_TOTAL + B * H * NQK * PV
                                           + M * (dm + dip + 2 * NQK + 3 * H + NA + di) + ragged));
     if (!scr) {
         free(off);
+        free(runs);
         return MB_ENOMEM;
     }
     memset(scr, 0, (size_t)nth * S_TOTAL * sizeof(float)); /* finite scratch rows */
-    float *xn = scr + (int64_t)nth * S_TOTAL, *zx = xn + M * dm, *Bn = zx + M * dip;
-    float *Cn = Bn + M * NQK;
+    float *hTs = scr + (int64_t)nth * S_TOTAL, *xn = hTs + B * H * NQK * PV;
+    float *zx = xn + M * dm, *Bn = zx + M * dip, *Cn = Bn + M * NQK;
     float *dt = Cn + M * NQK, *sig = dt + M * H, *adt = sig + M * H, *ta = adt + M * H;
     float *yg = ta + M * NA;
     const float *xs = x;
@@ -376,18 +415,37 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
 
     MB_ISA_FN(mb_m3_project)(w, M, xs, xn, zx, Bn, Cn, dt, sig, adt, ta);
 
-    m3_ctx c = {w, st, rep, H, di, dip, st->buffered_tokens, st->pending,
-                zx, Bn, Cn, dt, sig, adt, ta, yg, NULL};
+    /* Tasks are segments: each (row, head) runs its segments in order (a dependence),
+     * and they are issued chunk by chunk, so the threads work on neighbouring tokens
+     * of every head (their rows stay in cache) and a thread held up by another process
+     * delays one segment, not a whole head. */
+    const m3_ctx c = {w, st, rep, H, di, dip, st->buffered_tokens, st->pending,
+                      zx, Bn, Cn, dt, sig, adt, ta, yg, NULL};
+    int64_t kmax = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t k = segments(c.nb0, off[b + 1] - off[b]);
+        kmax = k > kmax ? k : kmax;
+    }
     #pragma omp parallel if (B * H > 1 && M * H > 64)
     {
         mb_fpenv env = mb_fpenv_enter();
-        int tid = mb_thread_num();
-        float *s = scr + (int64_t)tid * S_TOTAL;
-        #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < B * H; task++) {
-            const int64_t b = task / H, hh = task % H;
-            run_head(&c, b, hh, off[b], off[b + 1] - off[b], s);
-        }
+        #pragma omp single
+        for (int64_t k = 0; k < kmax; k++)
+            for (int64_t task = 0; task < B * H; task++) {
+                const int64_t b = task / H, len = off[b + 1] - off[b], nk = segments(c.nb0, len);
+                if (k >= nk)
+                    continue;
+                #pragma omp task depend(inout: runs[task]) firstprivate(task, k)
+                {
+                    float *s = scr + (int64_t)mb_thread_num() * S_TOTAL;
+                    m3_run *r = runs + task;
+                    if (k == 0)
+                        run_begin(&c, r, b, task % H, off[b], len, hTs + task * NQK * PV);
+                    run_step(&c, r, s);
+                    if (k == nk - 1)
+                        run_end(&c, r, s);
+                }
+            }
         mb_fpenv_exit(env);
     }
 
@@ -398,6 +456,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
         st->buffered_tokens = (st->buffered_tokens + L - 1) % CQ + 1;
     st->pending = 0;
     mb_scratch_give(scr);
+    free(runs);
     free(off);
     return MB_OK;
 }

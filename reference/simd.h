@@ -162,17 +162,20 @@ static inline void mb_tr8x8_(const float *s, int64_t ls, float *d, int64_t ld)
 static inline void mb_transpose_tile(int64_t rows, int64_t cols, const float *src, int64_t lds,
                                      float *dst, int64_t ldd)
 {
-    int64_t r0 = 0;
+    /* whole 8 x 8 blocks, then the last rows and columns (bounds written so that
+     * with constant sizes the compiler sees the tails are empty) */
 #if defined(__AVX2__)
-    for (; r0 + 8 <= rows; r0 += 8) {
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) mb_tr8x8_(src + r0 * lds + c, lds, dst + c * ldd + r0, ldd);
-        for (; c < cols; c++)
-            for (int64_t r = r0; r < r0 + 8; r++) dst[c * ldd + r] = src[r * lds + c];
-    }
+    const int64_t rv = rows & ~(int64_t)7, cv = cols & ~(int64_t)7;
+    for (int64_t r0 = 0; r0 < rv; r0 += 8)
+        for (int64_t c = 0; c < cv; c += 8)
+            mb_tr8x8_(src + r0 * lds + c, lds, dst + c * ldd + r0, ldd);
+#else
+    const int64_t rv = 0, cv = 0;
 #endif
+    for (int64_t c = cv; c < cols; c++)
+        for (int64_t r = 0; r < rv; r++) dst[c * ldd + r] = src[r * lds + c];
     for (int64_t c = 0; c < cols; c++)
-        for (int64_t r = r0; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
+        for (int64_t r = rv; r < rows; r++) dst[c * ldd + r] = src[r * lds + c];
 }
 
 #endif
