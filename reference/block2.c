@@ -164,23 +164,27 @@ static float *chunk_dtr(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64
     return k ? c->ext_dtr + (c->eoff[b] + (k - 1) * CQ) * c->H : st->buffer_dtraw + b * BUFROWS * c->H;
 }
 
-/* The SSD of one (row, head): every chunk in order, gated outputs into yb, the state in
- * st->h. */
-static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state *st,
-                     int64_t b, int64_t h, const ssd_scr *q)
+/* Chunks of row b's extended sequence (buffered rows, then the new tokens). */
+static int64_t row_chunks(const m2_ctx *c, int64_t b)
+{
+    return (c->t0[b] + (c->off[b + 1] - c->off[b]) + CQ - 1) / CQ;
+}
+
+/* The SSD of chunk k of one (row, head), the chunks of a (row, head) taken in order:
+ * gated outputs into yb, h^T (NS, HP) entering the chunk in hT, left leaving it. */
+static void ssd_chunk(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state *st,
+                      int64_t b, int64_t h, int64_t k, const ssd_scr *q, float *hT)
 {
     const int64_t di = c->di, H = c->H, CD = c->CD, t0 = c->t0[b];
-    const int64_t T = t0 + (c->off[b + 1] - c->off[b]), nk = (T + CQ - 1) / CQ;
+    const int64_t T = t0 + (c->off[b + 1] - c->off[b]);
     const float Dh = w->D[h];
-    float *hs = st->h + (b * H + h) * HP * NS, *s = q->s, *Mt = q->Mt, *yd = q->yd, *yo = q->yo;
-    transpose(NS, HP, hs, q->hT);
-
-    for (int64_t k = 0; k < nk; k++) {
+    float *s = q->s, *Mt = q->Mt, *yd = q->yd, *yo = q->yo;
+    {
         const int64_t n = T - k * CQ < CQ ? T - k * CQ : CQ, r0 = k ? 0 : t0;
         const float *u = chunk_u(c, st, b, k);
         chunk_prep(n, u, CD, chunk_dtr(c, st, b, k), H, h, w, q);
         if (c->hck)
-            memcpy(c->hck + ((b * H + h) * c->nkmax + k) * NS * HP, q->hT, NS * HP * sizeof(float));
+            memcpy(c->hck + ((b * H + h) * c->nkmax + k) * NS * HP, hT, NS * HP * sizeof(float));
 
         int64_t row = 0;
         s[0] = 0.0f;
@@ -202,7 +206,7 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
             for (int r = 1; r < R; r++)
                 mm64_more(Mt + r * CQ, 1, i0 + 1, i0 + r + 1, q->Xd, HP, yd + r * HP);
             /* Y_off: C_i . h_prev, contracted over the state first */
-            mm64(R, NS, u + i0 * CD + di + NS, CD, 1, q->hT, HP, yo, HP);
+            mm64(R, NS, u + i0 * CD + di + NS, CD, 1, hT, HP, yo, HP);
             for (int r = 0; r < R; r++) {
                 const int64_t i = i0 + r;
                 const float e = mb_exp(q->cs[i]), *xr = u + i * CD + h * HP;
@@ -216,9 +220,8 @@ static void ssd_task(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state 
             }
         }
         if (n == CQ)
-            fold(n, u + di, CD, q->cs, q->Xd, q->Bd, q->ST, q->hT, q->hT);
+            fold(n, u + di, CD, q->cs, q->Xd, q->Bd, q->ST, hT, hT);
     }
-    transpose(HP, NS, q->hT, hs);
 }
 
 typedef struct { int64_t b, k, i0, i1; } g_task;
@@ -248,7 +251,8 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
      * (E (CD + H)), per-thread SSD scratch, and the packed input and output if ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    const int64_t nf = M * (dm + NP + di + CQ) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH + ragged;
+    const int64_t nf = M * (dm + NP + di + CQ) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH
+                       + B * H * NS * HP + ragged;
     float *buf = mb_scratch_take((size_t)nf);
     g_task *gt = malloc((size_t)ngt * sizeof *gt);
     if (!buf || !gt) {
@@ -258,7 +262,8 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         return MB_ENOMEM;
     }
     float *xn = buf, *zxd = xn + M * dm, *yb = zxd + M * NP, *G = yb + M * di;
-    float *ext_u = G + M * CQ, *ext_dtr = ext_u + E * CD, *scr = ext_dtr + E * H;
+    float *ext_u = G + M * CQ, *ext_dtr = ext_u + E * CD, *hTs = ext_dtr + E * H;
+    float *scr = hTs + B * H * NS * HP;
     const float *xs = x;
     float *ys = y;
     if (lengths) {
@@ -324,13 +329,32 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         mb_fpenv_exit(env);
     }
 
+    /* Tasks are chunks: each (row, head) runs its chunks in order (a dependence on its
+     * h^T), issued chunk by chunk so that the threads share the chunk's rows in cache
+     * and a thread held up by another process delays one chunk, not a whole head. */
+    int64_t kmax = 0;
+    for (int64_t b = 0; b < B; b++)
+        kmax = row_chunks(&c, b) > kmax ? row_chunks(&c, b) : kmax;
     #pragma omp parallel if (B * H > 1 && work * di > (1 << 15))
     {
         mb_fpenv env = mb_fpenv_enter();
-        const ssd_scr q = scr_split(scr + (int64_t)mb_thread_num() * SSD_SCRATCH);
-        #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < B * H; task++)
-            ssd_task(&c, w, st, task / H, task % H, &q);
+        #pragma omp single
+        for (int64_t k = 0; k < kmax; k++)
+            for (int64_t task = 0; task < B * H; task++) {
+                const int64_t b = task / H, h = task % H, nk = row_chunks(&c, b);
+                if (k >= nk)
+                    continue;
+                float *hT = hTs + task * NS * HP, *hs = st->h + task * HP * NS;
+                #pragma omp task depend(inout: hT[0]) firstprivate(b, h, k, nk, hT, hs)
+                {
+                    const ssd_scr q = scr_split(scr + (int64_t)mb_thread_num() * SSD_SCRATCH);
+                    if (k == 0)
+                        transpose(NS, HP, hs, hT);
+                    ssd_chunk(&c, w, st, b, h, k, &q, hT);
+                    if (k == nk - 1)
+                        transpose(HP, NS, hT, hs);
+                }
+            }
         mb_fpenv_exit(env);
     }
     if (acts) {
