@@ -13,7 +13,12 @@ MB_DEV float conv_taps(const float *w, float bias, const float v[TAPS])
 {
     float acc = bias;
 #pragma unroll
-    for (int k = 0; k < TAPS; k++) acc = fmaf(w[k], v[k], acc);
+    for (int k = 0; k < TAPS; k++)
+#ifdef MB_SABOTAGE_CONV_REVERSED /* test builds only (tests/emu): the reference's seam */
+        acc = fmaf(w[TAPS - 1 - k], v[k], acc);
+#else
+        acc = fmaf(w[k], v[k], acc);
+#endif
     return F::silu(acc);
 }
 

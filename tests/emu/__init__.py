@@ -1,0 +1,16 @@
+"""The CUDA kernels on the CPU: backends/kernels/ compiled by g++ (build.py) behind a
+stand-in for cuda.bindings.driver (driver.py), driven by the real CUDA backend
+(mamba/_cuda*.py). See docs/cuda.md, "Checking kernels without a GPU"."""
+from mamba import _cuda
+
+from .build import KERNELS, build, gxx
+from .driver import Driver
+
+
+class EmulatedBackend(_cuda.CudaBackend):
+    stages = 2  # vendor.h's MB_STAGES under the HIP spelling the emulation compiles
+
+
+def backend(defines=()):
+    """A CUDA backend over a fresh emulation library (defines: extra -D macros)."""
+    return EmulatedBackend(Driver(build(defines)), b"")

@@ -1,0 +1,65 @@
+/* The CUDA built-ins the kernels use, for g++ (tests/emu). The kernels compile under
+ * vendor.h's HIP spelling, whose cp.async stand-ins are plain copies; each GPU thread
+ * is a fiber of fibers.cpp, and a block's fibers run one at a time on one OS thread. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define __global__ __attribute__((used)) /* build.py lists the kernels by this mark */
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+/* thread_local, not static: one copy for the fibers of a block, and `extern
+ * __shared__` (dynamic shared memory, defined in fibers.cpp) stays valid C++. */
+#define __shared__ thread_local
+
+struct dim3 { unsigned x, y, z; };
+extern "C" dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+/* Park the calling fiber until every live thread of its block (or of its warp of
+ * 32) has arrived. */
+extern "C" void __syncthreads(void);
+extern "C" void mb_emu_warp_sync(void);
+extern "C" uint64_t mb_emu_lane[];  /* one exchange word per thread of the block */
+
+/* CUDA's __shfl_sync semantics: src is taken modulo width within the caller's
+ * segment of width lanes. */
+template <class T> static inline T __shfl(T v, int src, int width = 32)
+{
+    static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffle moves one register");
+    const unsigned me = threadIdx.x, from = (me & ~(width - 1u)) + (src & (width - 1));
+    memcpy(&mb_emu_lane[me], &v, sizeof v);
+    mb_emu_warp_sync();
+    T r;
+    memcpy(&r, &mb_emu_lane[from], sizeof r);
+    mb_emu_warp_sync(); /* no lane overwrites its word before every lane has read */
+    return r;
+}
+template <class T> static inline T __shfl_xor(T v, int mask, int width = 32)
+{
+    return __shfl(v, (int)(threadIdx.x & (width - 1)) ^ mask, width);
+}
+
+struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+
+/* Fibers never run at the same time, so a read-modify-write is atomic. */
+static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v)
+{
+    const unsigned long long old = *p;
+    if (v < old) *p = v;
+    return old;
+}
+static inline void __threadfence_system(void) {}
+
+/* fast mode's hardware approximations (never compared bitwise); glibc declares an
+ * __expf of its own, hence the macro */
+#define __expf expf
+static inline float __fdividef(float a, float b) { return a / b; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

@@ -1,0 +1,245 @@
+"""A stand-in for cuda.bindings.driver over the host emulation of the kernels
+(tests/emu): device memory is host memory, a stream does its work as it is issued,
+and a captured graph records the work to replay it at each launch. It answers the
+calls mamba/_cuda*.py make, in cuda-python's form (a tuple led by the error code)."""
+import ctypes
+import enum
+import itertools
+import types
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_NO_BINARY_FOR_GPU = 209
+    CUDA_ERROR_NOT_FOUND = 500
+    CUDA_ERROR_LAUNCH_FAILED = 719
+
+
+OK = (CUresult.CUDA_SUCCESS,)
+
+
+class _Names:
+    """Enum members the backend only hands back to the driver: their names."""
+
+    def __getattr__(self, name):
+        return name
+
+
+class _Kernel(ctypes.Structure):  # table.h mb_emu_kernel
+    _fields_ = [("name", ctypes.c_char_p), ("run", ctypes.c_void_p), ("nargs", ctypes.c_int),
+                ("sizes", ctypes.POINTER(ctypes.c_size_t))]
+
+
+class Driver:
+    CUresult = CUresult
+    CUdevice_attribute = CUfunction_attribute = CUmemAllocationType = _Names()
+    CUmemLocationType = CUmemPool_attribute = CUpointer_attribute = _Names()
+    CUevent_flags = CUstreamCaptureMode = _Names()
+    CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CU_STREAM_LEGACY, CU_STREAM_PER_THREAD = 1, 2
+    CU_MEMHOSTALLOC_DEVICEMAP = 2
+    CUstream = staticmethod(int)
+    cuuint64_t = staticmethod(int)
+    ATTRIBUTES = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9,
+                  "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0,
+                  "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 2}  # small grids: less to run
+
+    def __init__(self, lib_path):
+        self.lib = lib = ctypes.CDLL(lib_path)
+        n = ctypes.c_size_t.in_dll(lib, "mb_emu_nkernels").value
+        self.kernels = {k.name.decode(): k for k in (_Kernel * n).in_dll(lib, "mb_emu_kernels")}
+        lib.mb_emu_launch.restype = ctypes.c_char_p
+        lib.mb_emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 4 + [
+            ctypes.c_size_t]
+        self.mem = {}        # address -> the buffer behind it
+        self.capture = {}    # stream -> the work recorded on it since cuStreamBeginCapture
+        self.launched = set()
+        self.error = b""
+        self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
+
+    @staticmethod
+    def CUmemPoolProps():
+        return types.SimpleNamespace(location=types.SimpleNamespace())
+
+    def _issue(self, stream, work):
+        """Run work now, or record it when its stream is capturing a graph."""
+        rec = self.capture.get(int(stream))
+        if rec is None:
+            return work()
+        rec.append(work)
+        return OK
+
+    # ------------------------------------------------------------ device, module
+    def cuInit(self, flags):
+        return OK
+
+    def cuDeviceGetCount(self):
+        return OK + (1,)
+
+    def cuDeviceGet(self, i):
+        return OK + (0,)
+
+    def cuDeviceGetName(self, n, dev):
+        return OK + (b"host emulation\0",)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return OK + (self.ATTRIBUTES[attr],)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return OK + (1,)
+
+    def cuCtxSetCurrent(self, ctx):
+        return OK
+
+    def cuModuleLoadData(self, image):
+        return OK + (1,)
+
+    def cuModuleGetFunction(self, mod, name):
+        # a kernel this build lacks (fast.cu's TF32 GEMM is CUDA-only) fails at launch
+        return OK + (name.decode(),)
+
+    def cuFuncSetAttribute(self, fn, attr, value):
+        return OK
+
+    def cuGetErrorName(self, err):
+        return OK + (CUresult(err).name.encode() + self.error,)
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        return OK + (0,)
+
+    # ------------------------------------------------------------ memory
+    def _alloc(self, n):
+        buf = ctypes.create_string_buffer(int(n))
+        ctypes.memset(buf, 0xFF, int(n))  # NaN bits: an unwritten output shows
+        self.mem[ctypes.addressof(buf)] = buf
+        return OK + (ctypes.addressof(buf),)
+
+    def _free(self, p):
+        del self.mem[int(p)]
+        return OK
+
+    def cuMemAlloc(self, n):
+        return self._alloc(n)
+
+    def cuMemAllocFromPoolAsync(self, n, pool, stream):
+        return self._alloc(n)
+
+    def cuMemHostAlloc(self, n, flags):
+        return self._alloc(n)
+
+    def cuMemHostGetDevicePointer(self, p, flags):
+        return OK + (p,)
+
+    def cuMemFree(self, p):
+        return self._free(p)
+
+    def cuMemFreeHost(self, p):
+        return self._free(p)
+
+    def cuMemFreeAsync(self, p, stream):
+        return self._issue(stream, lambda: self._free(p))
+
+    def cuMemPoolCreate(self, props):
+        return OK + (1,)
+
+    def cuMemPoolSetAttribute(self, pool, attr, value):
+        return OK
+
+    def _copy(self, dst, src, n, stream=None):
+        def work():
+            ctypes.memmove(int(dst), int(src), int(n))
+            return OK
+        return work() if stream is None else self._issue(stream, work)
+
+    def cuMemcpyHtoD(self, dst, src, n):
+        return self._copy(dst, src, n)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        return self._copy(dst, src, n, stream)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        return self._copy(dst, src, n, stream)
+
+    def cuMemcpyDtoDAsync(self, dst, src, n, stream):
+        return self._copy(dst, src, n, stream)
+
+    def cuMemsetD8Async(self, p, value, n, stream):
+        def work():
+            ctypes.memset(int(p), value, int(n))
+            return OK
+        return self._issue(stream, work)
+
+    def cuMemsetD32Async(self, p, value, n, stream):
+        def work():
+            ctypes.memmove(int(p), int(value).to_bytes(4, "little") * int(n), 4 * int(n))
+            return OK
+        return self._issue(stream, work)
+
+    # ------------------------------------------------------------ streams, events, graphs
+    def cuStreamCreate(self, flags):
+        return OK + (next(self._streams),)
+
+    def cuStreamSynchronize(self, stream):
+        return OK
+
+    def cuEventCreate(self, flags):
+        return OK + (0,)
+
+    def cuEventRecord(self, event, stream):
+        return OK
+
+    def cuStreamWaitEvent(self, stream, event, flags):
+        return OK
+
+    def cuEventDestroy(self, event):
+        return OK
+
+    def cuStreamBeginCapture(self, stream, mode):
+        self.capture[int(stream)] = []
+        return OK
+
+    def cuStreamEndCapture(self, stream):
+        return OK + (self.capture.pop(int(stream)),)
+
+    def cuGraphInstantiate(self, graph, flags):
+        return OK + (tuple(graph),)
+
+    def cuGraphUpload(self, graph_exec, stream):
+        return OK
+
+    def cuGraphLaunch(self, graph_exec, stream):
+        def work():
+            for w in graph_exec:
+                res = w()
+                if res[0] != CUresult.CUDA_SUCCESS:
+                    return res
+            return OK
+        return self._issue(stream, work)
+
+    def cuGraphExecDestroy(self, graph_exec):
+        return OK
+
+    def cuGraphDestroy(self, graph):
+        return OK
+
+    # ------------------------------------------------------------ launch
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        k = self.kernels.get(fn)
+        if k is None:
+            self.error = f": {fn} is not in the emulation library".encode()
+            return (CUresult.CUDA_ERROR_NOT_FOUND,)
+        assert by == bz == 1, "the backend launches 1-D blocks"
+        # copy every parameter: a captured launch runs after the caller's values are gone
+        ptrs = (ctypes.c_void_p * k.nargs).from_address(params)
+        vals = [ctypes.create_string_buffer(ctypes.string_at(ptrs[i], k.sizes[i]), k.sizes[i])
+                for i in range(k.nargs)]
+        args = (ctypes.c_void_p * k.nargs)(*[ctypes.addressof(v) for v in vals])
+        self.launched.add(fn)
+
+        def work(vals=vals):
+            err = self.lib.mb_emu_launch(k.run, args, gx, gy, gz, bx, smem)
+            if err is None:
+                return OK
+            self.error = f": {fn}: {err.decode()}".encode()
+            return (CUresult.CUDA_ERROR_LAUNCH_FAILED,)
+        return self._issue(stream, work)

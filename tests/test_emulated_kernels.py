@@ -1,0 +1,300 @@
+"""The CUDA kernels without a GPU: backends/kernels/ compiled for the host by g++
+(tests/emu: each GPU thread a fiber, a stand-in for cuda.bindings.driver) stands in
+for the "cuda" backend while this module runs, driven by the real mamba/_cuda*.py,
+and must give the C reference's bits: the identity lanes and profile digests of
+every block, the backward of every block, device arrays and decode sessions. A
+kernel built with one deliberately wrong expression must be caught, and every kernel
+of the library must have run. Skipped only where g++ (or, in a copy of tests/, the
+kernel sources) is missing. Numpy-free."""
+import math
+import os
+
+import pytest
+
+import emu
+import mamba
+from mamba import _backends, _core
+from _util import concat_time, rand, raw, rows, time_slice
+from blocks import BLOCKS, make
+from test_backward_gpu import CASES as GRAD_CASES
+from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair, assert_same_gradients
+from test_profile import DIGESTS, run_digest
+
+REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
+           "mamba3": ("h_last_", "k_last_", "v_last_", "theta_last_")}
+FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
+
+
+@pytest.fixture(scope="module")
+def be():
+    """The emulated backend as "cuda", for this module only."""
+    if emu.gxx() is None:
+        pytest.skip("g++ is not installed: the kernels cannot be compiled for the host")
+    if not os.path.isdir(emu.KERNELS):
+        pytest.skip("no backends/kernels beside tests/ (a copy of tests/ outside the tree)")
+    backend = emu.backend()
+    saved = _backends._cache.get("cuda")
+    _backends._cache["cuda"] = (backend, backend.description)
+    yield backend
+    if saved is None:
+        del _backends._cache["cuda"]
+    else:
+        _backends._cache["cuda"] = saved
+
+
+def host(a):
+    """The bytes of a host or device Array."""
+    if a.device == "cpu":
+        return raw(a)
+    h = _core.empty(a.shape)
+    _backends.owner_of(a).copy_into(h, a)
+    return raw(h)
+
+
+def state_of(st):
+    return [(f"state.{n}", host(p)) for n, p in zip(st._PIECES, st.pieces())] + [
+        (f"state.{n}", repr(getattr(st, n)).encode()) for n in st._SCALARS]
+
+
+def assert_same(got, want, what):
+    """got, want: lists of (label, bytes); a failure names the first differing value."""
+    assert [k for k, _ in got] == [k for k, _ in want], what
+    for (k, g), (_, w) in zip(got, want):
+        if g == w:
+            continue
+        if len(g) != len(w) or len(g) % 4:
+            pytest.fail(f"{what}: {k}: emulated kernels {g[:40]!r}, C reference {w[:40]!r}")
+        i = next(j for j in range(0, len(w), 4) if g[j:j + 4] != w[j:j + 4])
+        gv, wv = memoryview(g[i:i + 4]).cast("f")[0], memoryview(w[i:i + 4]).cast("f")[0]
+        pytest.fail(f"{what}: {k} differs at flat index {i // 4}: emulated kernels {gv!r} "
+                    f"(0x{g[i:i + 4][::-1].hex()}), C reference {wv!r} "
+                    f"(0x{w[i:i + 4][::-1].hex()})")
+
+
+# ------------------------------------------------------------------ identity lanes
+# Each lane: (block, its name) -> [(label, bytes)], run on both backends. The shapes
+# are tests/blocks.py's, which cross each block's chunk grid (Mamba-2 Q = 256,
+# Mamba-3 Q = 64) in prefill, split and decode.
+def lane_forward(blk, name):
+    x = rand((2, BLOCKS[name]["length"], blk.d_model), 1)
+    st = blk.allocate_state(2)
+    out = [("y", raw(blk.forward(x, st)))] + state_of(st)
+    out += [(r, host(getattr(blk, r))) for r in REPORTS[name]]
+    return out + [("y, stateless", raw(blk.forward(x)))]
+
+
+def lane_batch(blk, name):
+    x = rand((3, BLOCKS[name]["length"], blk.d_model), 2)
+    out = [("y", raw(blk.forward(x)))]
+    out += [(f"row {b} alone", raw(blk.forward(rows(x, [b])))) for b in range(3)]
+    return out + [("rows permuted", raw(blk.forward(rows(x, [2, 0, 1]))))]
+
+
+def lane_decode(blk, name):
+    P, T = BLOCKS[name]["decode"]
+    x = rand((2, T, blk.d_model), 3)
+    st = blk.allocate_state(2)
+    out = [("prefill", raw(blk.forward(time_slice(x, 0, P), st)))]
+    out += [(f"step {t}", raw(blk.step(time_slice(x, t, t + 1), st))) for t in range(P, T)]
+    return out + state_of(st)
+
+
+def lane_split(blk, name):
+    L = BLOCKS[name]["length"]
+    x = rand((2, L, blk.d_model), 4)
+    splits = BLOCKS[name]["splits"]
+    out = []
+    for points in [[p] for p in splits] + [list(splits)]:
+        st = blk.allocate_state(2)
+        bounds = [0] + points + [L]
+        parts = [blk.forward(time_slice(x, a, b), st) for a, b in zip(bounds, bounds[1:])]
+        out += [(f"split at {points}", raw(concat_time(parts)))] + state_of(st)
+    return out
+
+
+def lane_session(blk, name):
+    P, T = BLOCKS[name]["decode"]
+    x = rand((2, T, blk.d_model), 5)
+    st = blk.allocate_state(2)
+    blk.forward(time_slice(x, 0, P), st)
+    with blk.decode_session(st) as sess:
+        out = [(f"session step {t}", raw(sess.step(time_slice(x, t, t + 1))))
+               for t in range(P, T)]
+    return out + state_of(st)
+
+
+def lane_ragged(blk, name):
+    L, D = BLOCKS[name]["length"], blk.d_model
+    lens = [L, 3, 1]
+    x = rand((3, L, D), 9)
+    flat = memoryview(x).cast("B").cast("f")
+    for b, n in enumerate(lens):  # padding is never read: poison it
+        for i in range((b * L + n) * D, (b + 1) * L * D):
+            flat[i] = math.nan
+    return [("y", raw(blk.forward(x, lengths=lens)))]
+
+
+def lane_input_states(blk, name):
+    """Mamba-3: a sequence started from another one's Input_States (its reports)."""
+    x = rand((2, 100, blk.d_model), 6)
+    blk.forward(time_slice(x, 0, 30))
+    given = [getattr(blk, r) for r in ("theta_last_", "h_last_", "k_last_", "v_last_")]
+    st = blk.allocate_state(2)
+    st.set_input_states(*given)
+    return [("y", raw(blk.forward(time_slice(x, 30, 100), st)))] + state_of(st)
+
+
+LANES = [lane_forward, lane_batch, lane_decode, lane_split, lane_session, lane_ragged]
+LANE_CASES = [(n, lane) for n in BLOCKS for lane in LANES] + [("mamba3", lane_input_states)]
+
+
+@pytest.mark.parametrize("name,lane", LANE_CASES,
+                         ids=[f"{n}-{lane.__name__[5:]}" for n, lane in LANE_CASES])
+def test_identity_lane(be, name, lane):
+    got = lane(make(name, backend="cuda"), name)
+    assert_same(got, lane(make(name, backend="cpu"), name), f"{name} {lane.__name__}")
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_profile_digest(be, name):
+    assert run_digest(name, "cuda") == DIGESTS[name]
+
+
+# ------------------------------------------------------------------ backward
+# the GPU lane's cases: lengths below, on and past each block's backward chunk (Mamba-1
+# 32, Mamba-2 256, Mamba-3 64) and several chunks, batches of 1 and 3
+@pytest.mark.parametrize("name,B,L", GRAD_CASES, ids=[f"{n}-B{B}-L{L}" for n, B, L in GRAD_CASES])
+def test_backward(be, name, B, L):
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=B + L)
+    x, dy = _inputs((B, L, dm), 7 * L + B)
+    assert_same_gradients(gpu.backward(x, dy), cpu.backward(x, dy), f"{name} B={B} L={L}")
+
+
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_backward_folds_past_one_leaf(be, name):
+    """B * L > 8192: the weight gradients' folds over the tokens join leaves."""
+    B, L, dm = GRAD_BLOCKS[name]["leaves"]
+    cpu, gpu = _pair(name, dm, seed=3)
+    x, dy = _inputs((B, L, dm), 3)
+    assert_same_gradients(gpu.backward(x, dy), cpu.backward(x, dy), f"{name} B={B} L={L}")
+
+
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_backward_device_arrays(be, name):
+    """Device x and grad_output give device gradients with the CPU's bits."""
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=5)
+    x, dy = _inputs((2, 33, dm), 21)
+    got = gpu.backward(be.copy(x), be.copy(dy))
+    assert all(g.device == "cuda" for g in got.values())
+    want = cpu.backward(x, dy)
+    assert_same([(k, host(got[k])) for k in want], [(k, raw(v)) for k, v in want.items()],
+                 f"{name} device arrays")
+
+
+# ------------------------------------------------------------------ device arrays
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_device_state_and_session(be, name):
+    """Device x and state: a prefill, then session steps on device inputs across a
+    chunk boundary; outputs, reports and state are the C reference's."""
+    P, T = BLOCKS[name]["decode"]
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    x = rand((2, T, cpu.d_model), 11)
+    st_c = cpu.allocate_state(2)
+    st_d = type(st_c)(*[be.copy(p) for p in st_c.pieces()])
+    y = gpu.forward(be.copy(time_slice(x, 0, P)), st_d)
+    assert y.device == "cuda"
+    got = [("prefill", host(y))] + [(r, host(getattr(gpu, r))) for r in REPORTS[name]]
+    want = [("prefill", raw(cpu.forward(time_slice(x, 0, P), st_c)))]
+    want += [(r, raw(getattr(cpu, r))) for r in REPORTS[name]]
+    with gpu.decode_session(st_d) as sess:
+        for t in range(P, T):
+            xt = time_slice(x, t, t + 1)
+            got.append((f"step {t}", host(sess.step(be.copy(xt)))))
+            want.append((f"step {t}", raw(cpu.step(xt, st_c))))
+    assert_same(got + state_of(st_d), want + state_of(st_c), f"{name} on device")
+
+
+def test_device_refusals_and_strided_input(be):
+    """A non-finite device input is found on the device, by the forward and by a
+    Mamba-1 session's graph (NaN outputs, state kept, the step named); a strided
+    device input is gathered."""
+    D = BLOCKS["mamba1"]["d_model"]
+    cpu, gpu = make("mamba1", backend="cpu"), make("mamba1", backend="cuda")
+    x = rand((2, 6, D), 30)
+    bad = rand((2, 1, D), 31)
+    memoryview(bad).cast("B").cast("f")[D + 5] = math.inf
+    with pytest.raises(ValueError, match=f"flat index {D + 5}$"):
+        gpu.forward(be.copy(bad))
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    cpu.forward(time_slice(x, 0, 2), st_c)
+    gpu.forward(time_slice(x, 0, 2), st_g)
+    with gpu.decode_session(st_g) as sess:
+        y_bad = sess.step(be.copy(bad))
+        with pytest.raises(ValueError, match=f"x of step 1 of this session held a non-finite "
+                                             f"value .* flat index {D + 5};"):
+            sess.sync_state()
+        assert all(math.isnan(v) for v in memoryview(host(y_bad)).cast("f"))
+        for t in range(2, 6):
+            xt = time_slice(x, t, t + 1)
+            assert host(sess.step(be.copy(xt))) == raw(cpu.step(xt, st_c)), t
+    assert state_of(st_g) == state_of(st_c)
+
+    class Transposed:  # x as a (B, L, D) view of a device (L, B, D) array
+        def __init__(self, dev):
+            self.dev = dev
+            self.__cuda_array_interface__ = {
+                "shape": (2, 6, D), "typestr": "<f4", "data": (dev.ptr, False), "version": 3,
+                "strides": (4 * D, 8 * D, 4)}
+    xt = b"".join(raw(time_slice(rows(x, [b]), t, t + 1)) for t in range(6) for b in range(2))
+    xt = mamba.asarray(memoryview(xt).cast("f"), (6, 2, D))
+    assert host(gpu.forward(Transposed(be.copy(xt)))) == raw(cpu.forward(x))
+
+
+@pytest.mark.parametrize("M,N,K", [(2, 20, 8193), (2, 20, 3 * 8192 + 5), (20, 20, 2 * 8192),
+                                   (130, 20, 8193), (129, 257, 13), (65, 50, 700),
+                                   (9, 40, 129)])
+def test_gemm(be, M, N, K):
+    """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves."""
+    X, W = rand((M, K), M), rand((N, K), N)
+    assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_fast_mode_is_close(be, name):
+    """numeric_mode="fast" (its own kernels: shuffle reductions, hardware exp) stays
+    within fast mode's error bound of the identical results, for a prefill of a few
+    tokens (the split-K GEMV) and decode steps."""
+    cpu = make(name, backend="cpu")
+    fast = make(name, backend="cuda", numeric_mode="fast")
+    x = rand((2, 6, cpu.d_model), 12)
+    st_c, st_f = cpu.allocate_state(2), fast.allocate_state(2)
+    pairs = [(cpu.forward(time_slice(x, 0, 4), st_c), fast.forward(time_slice(x, 0, 4), st_f))]
+    pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
+              for t in (4, 5)]
+    for want, got in pairs:
+        w, g = memoryview(want).cast("B").cast("f"), memoryview(got).cast("B").cast("f")
+        err = math.sqrt(sum((a - b) ** 2 for a, b in zip(g, w)) / sum(b * b for b in w))
+        assert err <= FAST_RTOL, f"{name} fast mode: relative L2 error {err:.2e}"
+
+
+# ------------------------------------------------------------------ the checker itself
+def test_sabotaged_kernel_is_caught(be, monkeypatch):
+    """conv.cu built with the reference's MB_SABOTAGE_CONV_REVERSED (the conv taps
+    reversed, one expression): the emulated Mamba-1 forward no longer equals the C
+    reference, where the kernels as written do."""
+    bad = emu.backend(("MB_SABOTAGE_CONV_REVERSED",))
+    want = lane_forward(make("mamba1", backend="cpu"), "mamba1")
+    assert lane_forward(make("mamba1", backend="cuda"), "mamba1") == want
+    monkeypatch.setitem(_backends._cache, "cuda", (bad, bad.description))
+    assert lane_forward(make("mamba1", backend="cuda"), "mamba1") != want
+
+
+def test_every_kernel_ran(be, request):
+    """Every kernel in the library (all but fast.cu's TF32 GEMM, which the HIP spelling
+    leaves out) was launched by this module's tests, which run before this one."""
+    ran = [i for i in request.session.items if i.module is request.module]
+    if len(ran) < len(request.node.parent.collect()):
+        pytest.skip("only part of this module ran")
+    assert set(be.cu.kernels) - be.cu.launched == set(), "kernels no test here launched"
