@@ -12,7 +12,7 @@ from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS, Y_TH
 
 BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
                 "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_sdh_k",
-                "mb_m2b_chain_k", "mb_m2b_col_k", "mb_m2b_dt_k", "mb_m2b_dgs_k", "mb_m2b_bc_k",
+                "mb_ssd_dchain_k", "mb_m2b_col_k", "mb_m2b_dt_k", "mb_m2b_dgs_k", "mb_m2b_bc_k",
                 "mb_m2b_alog_k")
 
 
@@ -91,7 +91,8 @@ class Back2Mixin:
             Sd, dh = sc(NC * H * per), sc(NC * H * per)
             self._launch(s, "mb_m2b_sdh_k", (NC, H), FOLD_THREADS, I["desc"], nk, H, di, CD, U,
                          dyo, Sd)
-            self._launch(s, "mb_m2b_chain_k", (self._grid(B * H * per),), T, B, nk, H, Ec, Sd, dh)
+            self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), T, B, H, I["cbeg"],
+                         Ec, Sd, dh)
             du, dBst = sc(M * CD), sc(M * H * NS)
             tmp, sacc, xdot = sc(NC * H * Q), sc(NC * H * Q), sc(NC * H * Q)
             self._launch(s, "mb_m2b_col_k", (Q, H, NC), HP, I["desc"], nk, H, di, CD, U, dt, cs,

@@ -5,7 +5,7 @@ reruns the forward, keeping what the backward reads; here the forward's own kern
 (ssd3.cu, through the device functions back3.cu shares with them) do that on the
 chunk layout of a zero-state prefill, where ext rows are the packed tokens. The
 backward then runs chunk-parallel: the only serial pieces are the dh chain over a
-row's chunks (mb_m3b_dchain_k) and the angle gradient over its tokens
+row's chunks (mb_ssd_dchain_k) and the angle gradient over its tokens
 (mb_m3b_theta_k). The projections, norms and folds are the shared building blocks
 of _cuda_grad.py. Every value is produced by the reference's own sequence of float
 operations, so no launch shape changes a bit.
@@ -16,7 +16,7 @@ THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
 CHUNK_SMEM = 4 * (8 * M3_Q + 2 * M3_Q * HP + 3 * (M3_Q * (M3_Q - 1) // 2))  # back3.cu B3_SMEM
 _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "mb_m3_y_k",
-            "mb_m2_gate_k", "mb_m3b_rotate_k", "mb_m3b_sd_k", "mb_m3b_dchain_k", "mb_m3b_chunk_k",
+            "mb_m2_gate_k", "mb_m3b_rotate_k", "mb_m3b_sd_k", "mb_ssd_dchain_k", "mb_m3b_chunk_k",
             "mb_m3b_theta_k", "mb_m3b_token_k", "mb_m3b_heads_k")
 
 
@@ -101,7 +101,7 @@ class Back3Mixin:
             Sd, dhL = sc(NC * H * per), sc(NC * H * per)
             self._launch(s, "mb_m3b_sd_k", (NC, H), CHUNK_THREADS,
                          I["desc"], H, di, Q, ADT, dY, Sd)
-            self._launch(s, "mb_m3b_dchain_k", (self._grid(B * H * per),), THREADS,
+            self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), THREADS,
                          B, H, I["cbeg"], Ec, Sd, dhL)
             dQKG, dQ, dK = sc(M * H), sc(M * H * NS), sc(M * H * NS)
             dsc, dadt = sc(M * H), sc(M * H)

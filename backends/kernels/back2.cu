@@ -9,13 +9,12 @@
  * dh, the gradient of the state leaving a chunk. dh entering chunk k is
  * fma(exp(cs_last_k), dh leaving it, S'_k) with S'_k = sum_i C_i dyo_i^T, a
  * function of the chunk alone, so here every chunk's own part runs in parallel
- * and only that fma chain is serial (mb_m2b_chain_k), as in the forward's state
- * pass. Each value is produced by the C reference's own sequence of operations:
+ * and only that fma chain is serial (ssd.cu's mb_ssd_dchain_k), as in the forward's
+ * state pass. Each value is produced by the C reference's own sequence of operations:
  *   mb_m2b_gate_k   dz = (dg * Y) * silu'(z), dY = dg * silu(z).
  *   mb_m2b_row_k    per output row i: M, dG, dseg, the prefix sums of dseg, the
  *                   Y_off terms dcs, dyo and dCoff.
  *   mb_m2b_sdh_k    S'_k per (chunk, head).
- *   mb_m2b_chain_k  dh leaving each chunk, serial over a row's chunks in reverse.
  *   mb_m2b_col_k    per column j: dXd, the fold's dXd, dBst and tmp terms, the
  *                   seg part of dA (sacc), du of x, dot(dXd, x).
  *   mb_m2b_dt_k     per (chunk, head): dcs, its suffix sums, ddA and dt_raw's
@@ -114,25 +113,6 @@ mb_m2b_sdh_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
         float acc = 0.0f;
         for (int64_t i = 0; i < n; i++) acc = fmaf(C[i * CD], y[i * di], acc);
         S[(c * H + h) * BPER + e] = acc;
-    }
-}
-
-/* dh leaving chunk c for every chunk but a row's last (B rows of nk chunks): from
- * the last chunk back, dh = S'_{c+1} for c + 1 the last, else
- * fma(E_{c+1}, dh_{c+1}, S'_{c+1}). One thread per element of dh (NS, HP). */
-MB_KERNEL void mb_m2b_chain_k(int64_t B, int64_t nk, int64_t H, const float *E, const float *S,
-                              float *dh)
-{
-    MB_GRID_LOOP(t, B * H * BPER) {
-        const int64_t b = t / (H * BPER), h = (t / BPER) % H, e = t % BPER;
-        const int64_t c0 = b * nk, last = c0 + nk - 1;
-        if (last == c0) continue;
-        float v = S[(last * H + h) * BPER + e];
-        for (int64_t c = last - 1; c >= c0; c--) {
-            const int64_t ch = c * H + h;
-            dh[ch * BPER + e] = v;
-            if (c > c0) v = fmaf(E[ch], v, S[ch * BPER + e]);
-        }
     }
 }
 

@@ -14,7 +14,7 @@
  * sequence of operations:
  *   mb_m3b_rotate_k  the forward's rotation, keeping each token's cos and sin.
  *   mb_m3b_sd_k      Sd_k per (chunk, head), from dy = dg * silu(z) (mb_m2_gate_k).
- *   mb_m3b_dchain_k  dh leaving each chunk, serial over a row's chunks in reverse.
+ *   (ssd.cu's mb_ssd_dchain_k: dh leaving each chunk, serial over a row's chunks.)
  *   mb_m3b_chunk_k   per (chunk, head): the gradients of z, v, q_rot, k_rot * scale,
  *                    qk_gamma, the scales and A*dt.
  *   mb_m3b_theta_k   the angle gradient, serial over each row's tokens in reverse.
@@ -78,24 +78,6 @@ mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, const float *Q, const fl
         for (int64_t i = 0; i < n; i++)
             acc = fmaf(Q[B3_EH(i) * SSD_NS + m], y[i * di] * ev[i], acc);
         Sd[(c * H + h) * B3_PER + e] = acc;
-    }
-}
-
-/* dh leaving each chunk (NS, HP), serial over each row's chunks [cbeg[b], cbeg[b+1])
- * in reverse: the last chunk passes its own Sd back, every earlier chunk c receives
- * it as dhL[c] and passes fma(E[c], dhL[c], Sd[c]) on. One thread per element. */
-MB_KERNEL void mb_m3b_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
-                               const float *Sd, float *dhL)
-{
-    MB_GRID_LOOP(i, B * H * B3_PER) {
-        const int64_t b = i / (H * B3_PER), h = (i / B3_PER) % H, e = i % B3_PER;
-        const int64_t last = cbeg[b + 1] - 1;
-        float v = Sd[(last * H + h) * B3_PER + e];
-        for (int64_t c = last - 1; c >= cbeg[b]; c--) {
-            const int64_t ch = c * H + h;
-            dhL[ch * B3_PER + e] = v;
-            v = fmaf(E[ch], v, Sd[ch * B3_PER + e]);
-        }
     }
 }
 

@@ -72,6 +72,27 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
     }
 }
 
+/* The backward's state pass: dh leaving each chunk (HP, NS) but a row's last,
+ * serial over the row's chunks [cbeg[b], cbeg[b + 1]) in reverse: the last chunk
+ * passes its own Sd back, every earlier chunk c receives it as dh[c] and passes
+ * fma(E[c], dh[c], Sd[c]) on (not formed for the row's first chunk, which has no
+ * predecessor). One thread per element. */
+MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
+                               const float *Sd, float *dh)
+{
+    const int64_t per = SSD_HP * SSD_NS;
+    MB_GRID_LOOP(i, B * H * per) {
+        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per;
+        const int64_t c0 = cbeg[b], last = cbeg[b + 1] - 1;
+        float v = Sd[(last * H + hh) * per + e];
+        for (int64_t c = last - 1; c >= c0; c--) {
+            const int64_t ch = c * H + hh;
+            dh[ch * per + e] = v;
+            if (c > c0) v = fmaf(E[ch], v, Sd[ch * per + e]);
+        }
+    }
+}
+
 /* New rows into ext: ext row eoff[b] + t0[b] + t takes packed row off[b] + t of
  * src (W floats of a row of ld). Grid (x over the row's tokens * W, y over rows). */
 MB_KERNEL void mb_ssd_put_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
