@@ -562,6 +562,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             writeback.append((a, p))
         return p
 
+    def _out(self, sc, a, back):
+        """Device address for a call's output a: a itself on the device, else scratch
+        that _finish copies into the host array."""
+        if a.device == self.name:
+            return a.ptr
+        p = sc(a.size)
+        back.append((a, p))
+        return p
+
     def _finish(self, s, back):
         for host, p in back:
             self._ck(self.cu.cuMemcpyDtoHAsync(host.ptr, p, 4 * host.size, s.cu),
@@ -623,12 +632,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             xd = self._on_device(sc, x)
             cw = self._on_device(sc, pieces[0], back)
             h = self._on_device(sc, pieces[1], back)
-            yd = y.ptr if y.device == self.name else sc(B * L * dm)
+            yd = self._out(sc, y, back)
             bufs = _M1Buffers(self, sc, M, dm, lengths is not None)
             self._m1_launch(s.cu, fast, w, dm, B, L, off, M, xd, cw, h, yd, bufs,
                             lengths is not None)
-            if y.device == "cpu":
-                back.append((y, yd))
             self._finish(s, back)
 
     def m1_session(self, w, d_model, pieces, fast):

@@ -39,13 +39,7 @@ class Back1Mixin:
         back = []
         with C._Scratch(self, st) as sc:
             xd, dyd = self._on_device(sc, x), self._on_device(sc, dy)
-            outs = []
-            for o in (gx,) + tuple(gw):
-                if o.device == self.name:
-                    outs.append(o.ptr)
-                else:
-                    outs.append(sc(o.size))
-                    back.append((o, outs[-1]))
+            outs = [self._out(sc, o, back) for o in (gx,) + tuple(gw)]
             g_x, g_norm, g_in, g_cw, g_cb, g_xp, g_dtw, g_dtb, g_A, g_D, g_out = outs
 
             # steps 1-4 of the forward, keeping the conv's and dt_proj's pre-activations

@@ -8,7 +8,7 @@ before the gate and the state entering every chunk. The SSD backward is
 backends/kernels/back2.cu; the norms, projections, conv and folds are the shared
 pieces of _cuda_grad.py.
 """
-from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS, Y_THREADS
+from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS
 
 BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
                 "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_sdh_k",
@@ -38,13 +38,7 @@ class Back2Mixin:
         with _cuda._Scratch(self, st) as sc:
             I = plan.upload(sc)
             xd, dyd = self._on_device(sc, x), self._on_device(sc, dy)
-            outs = []
-            for a in (gx,) + tuple(gw):
-                if a.device == self.name:
-                    outs.append(a.ptr)
-                else:
-                    outs.append(sc(a.size))
-                    back.append((a, outs[-1]))
+            outs = [self._out(sc, a, back) for a in (gx,) + tuple(gw)]
             g_x, g_norm, g_in, g_convw, g_convb, g_dtb, g_alog, g_D, g_gnorm, g_out = outs
 
             # the forward, keeping its activations

@@ -54,11 +54,7 @@ class Back3Mixin:
             I = plan.upload(sc)
             I["M"], I["r"] = M, sc(M)
             back = []
-            out = []
-            for a in (gx,) + tuple(gw):
-                out.append(a.ptr if a.device == self.name else sc(a.size))
-                if a.device != self.name:
-                    back.append((a, out[-1]))
+            out = [self._out(sc, a, back) for a in (gx,) + tuple(gw)]
             g_x, g_norm, g_in, g_dtb, g_Bn, g_Cn, g_Bb, g_Cb, g_D, g_out = out
             dyd = self._on_device(sc, dy)
             nparts = self._parts(M, NP, dm)

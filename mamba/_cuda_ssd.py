@@ -137,7 +137,7 @@ class SsdMixin:
             I = plan.upload(sc)
             I["M"], I["r"] = M, sc(M)
             cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
-            yd = y.ptr if y.device == self.name else sc(B * L * dm)
+            yd = self._out(sc, y, back)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
@@ -184,8 +184,6 @@ class SsdMixin:
             self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
             self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
             self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
-            if y.device == "cpu":
-                back.append((y, yd))
             self._finish(st, back)
         return tuple(plan.counts)
 
@@ -255,14 +253,8 @@ class SsdMixin:
             I["M"], I["r"] = M, sc(M)
             p = [self._on_device(sc, a, back) for a in pieces]
             theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
-            rep = []
-            for a in reports:
-                if a.device == self.name:
-                    rep.append(a.ptr)
-                else:
-                    rep.append(sc(a.size))
-                    back.append((a, rep[-1]))
-            yd = y.ptr if y.device == self.name else sc(B * L * dm)
+            rep = [self._out(sc, a, back) for a in reports]
+            yd = self._out(sc, y, back)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
@@ -309,8 +301,6 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["store"], M3_Q, W, ext, buf)
             self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
-            if y.device == "cpu":
-                back.append((y, yd))
             self._finish(st, back)
         return buffered_tokens if lengths is not None else plan.counts[0]
 

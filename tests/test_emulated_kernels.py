@@ -16,8 +16,7 @@ import mamba
 from mamba import _backends, _core
 from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
-from test_backward_gpu import CASES as GRAD_CASES
-from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair, assert_same_gradients
+from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 
 REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
@@ -161,23 +160,11 @@ def test_profile_digest(be, name):
 
 
 # ------------------------------------------------------------------ backward
-# the GPU lane's cases: lengths below, on and past each block's backward chunk (Mamba-1
-# 32, Mamba-2 256, Mamba-3 64) and several chunks, batches of 1 and 3
-@pytest.mark.parametrize("name,B,L", GRAD_CASES, ids=[f"{n}-B{B}-L{L}" for n, B, L in GRAD_CASES])
-def test_backward(be, name, B, L):
-    dm = GRAD_BLOCKS[name]["d_model"]
-    cpu, gpu = _pair(name, dm, seed=B + L)
-    x, dy = _inputs((B, L, dm), 7 * L + B)
-    assert_same_gradients(gpu.backward(x, dy), cpu.backward(x, dy), f"{name} B={B} L={L}")
-
-
-@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
-def test_backward_folds_past_one_leaf(be, name):
-    """B * L > 8192: the weight gradients' folds over the tokens join leaves."""
-    B, L, dm = GRAD_BLOCKS[name]["leaves"]
-    cpu, gpu = _pair(name, dm, seed=3)
-    x, dy = _inputs((B, L, dm), 3)
-    assert_same_gradients(gpu.backward(x, dy), cpu.backward(x, dy), f"{name} B={B} L={L}")
+# test_backward_gpu.py's lanes, collected here too, where `be` is the emulated backend:
+# lengths below, on and past each block's backward chunk (Mamba-1 32, Mamba-2 256,
+# Mamba-3 64) and several chunks, batches of 1 and 3, a repeated call; B * L past one
+# 8192-token fold leaf
+from test_backward_gpu import test_backward_equals_cpu, test_backward_folds_past_one_leaf  # noqa: E402,F401
 
 
 @pytest.mark.parametrize("name", list(GRAD_BLOCKS))
