@@ -10,7 +10,7 @@ row's chunks (mb_ssd_dchain_k) and the angle gradient over its tokens
 of _cuda_grad.py. Every value is produced by the reference's own sequence of float
 operations, so no launch shape changes a bit.
 """
-from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, Y_THREADS, _Plan
+from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, Y_THREADS, _Plan, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
@@ -40,9 +40,7 @@ class Back3Mixin:
         st = self.stream()
         s = st.cu
         dm, B, L = d_model, x.shape[0], x.shape[1]
-        di = 2 * dm
-        H = di // HP
-        NP = 2 * di + 2 * NS + 3 * H + NA
+        di, H, NP = m3_dims(dm)
         oB, oC, oDT = 2 * di, 2 * di + NS, 2 * di + 2 * NS
         oANG = oDT + 3 * H
         norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w

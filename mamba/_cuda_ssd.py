@@ -26,6 +26,14 @@ MAX_GRID_Z = 65535
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
+def m3_dims(d_model):
+    """Mamba-3's inner width, heads and in_proj row width (z | x | B | C | dd_dt |
+    dd_A | trap | angles)."""
+    di = 2 * d_model
+    H = di // HP
+    return di, H, 2 * di + 2 * NS + 3 * H + NA
+
+
 def enabled():
     return VALIDATED or os.environ.get("MAMBA_CUDA_SSD") == "1"
 
@@ -241,9 +249,7 @@ class SsdMixin:
         st = self.stream()
         s = st.cu
         dm, B, L = d_model, x.shape[0], x.shape[1]
-        di = 2 * dm
-        H = di // HP
-        NP = 2 * di + 2 * NS + 3 * H + NA
+        di, H, NP = m3_dims(dm)
         norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
         plan = _Plan(B, L, lengths, buffered_tokens, M3_Q, True)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
