@@ -205,7 +205,7 @@ def train_rows(be, res, kinds, upstream_ok):
         dy = torch.randn(B, L, dm, device="cuda")
         row = res.setdefault("train", {}).setdefault(kind, {})
         blk = CLASSES[kind](w, backend="cuda")
-        if hasattr(be, kind[:1] + kind[-1:] + "_backward"):
+        if hasattr(be, CLASSES[kind]._KIND + "_backward"):
             def ours():
                 y = blk.forward(x)
                 return y, blk.backward(x, dy)

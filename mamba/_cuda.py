@@ -325,6 +325,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         number, owner = getattr(_current, "entry", None) or (LEGACY, None)
         return _Stream(self.cu, number, owner)
 
+    def _kernels(self, *names):
+        """Look the named kernels up in the module on first use (those outside
+        KERNELS, which __init__ loads)."""
+        for n in names:
+            if n not in self.fn:
+                self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+
     def _launch(self, s, name, grid, block, *args, smem=0):
         """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct."""
         vals = [a if isinstance(a, ctypes.Structure) else

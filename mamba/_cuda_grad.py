@@ -32,8 +32,8 @@ Every result has the bits of the C function named, for any launch shape:
 - g_add(s, n, a, b, out): out = a + b element-wise (dx = dx_norm + dy).
 - g_fold_leaves(s, P, n, parts, ldp, out, so=1): mb_dot_fold over P leaf results
   parts[p * ldp + i] into out[i * so], for kernels that cut their own leaves.
-- _kernels(*names): look the named kernels up in the module on first use (every
-  kernel outside _cuda.KERNELS must be, before _launch names it).
+Kernels outside _cuda.KERNELS are looked up on first use (CudaBackend._kernels)
+before _launch names them.
 
 grad.cu also holds the device function mb_dsilu(z) (grad.h's twin) for the block
 kernels compiled after it.
@@ -60,11 +60,6 @@ def _addr(a):
 
 class GradMixin:
     """CudaBackend methods shared by the blocks' backward passes (module docstring)."""
-
-    def _kernels(self, *names):
-        for n in names:
-            if n not in self.fn:
-                self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
 
     def _gk(self):
         self._kernels(*_KERNELS)

@@ -95,9 +95,7 @@ class SsdMixin:
         """Look up the kernels (on first use) and return the _cuda module (imported
         here: _cuda imports this module)."""
         from . import _cuda
-        for n in names:
-            if n not in self.fn:
-                self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+        self._kernels(*names)
         return _cuda
 
     def _rows_grid(self, n, B):
