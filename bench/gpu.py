@@ -211,6 +211,7 @@ def train_rows(be, res, kinds, upstream_ok):
                 return y, blk.backward(x, dy)
             row["ours_ms"] = events_ms(ours, warm=1, reps=3)
             row["ours_peak_mib"] = pool_peak_mib(be, ours)
+            row["backward_kernels_ms"] = kernel_table(lambda: blk.backward(x, dy))
         if upstream_ok:
             torch.backends.cuda.matmul.allow_tf32 = False
             ub = upstream.Block(kind, w, dm)
@@ -223,7 +224,10 @@ def train_rows(be, res, kinds, upstream_ok):
             row["upstream_ms"] = events_ms(theirs, warm=1, reps=3)
             row["upstream_peak_mib"] = torch_peak_mib(theirs)
             del ub, xr
-        print(f"train {kind} W2: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
+        print(f"train {kind} W2: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)) + "; backward "
+              "kernels (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                           list(row.get("backward_kernels_ms", {}).items())[:10]),
               flush=True)
         del blk
         torch.cuda.empty_cache()
