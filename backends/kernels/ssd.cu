@@ -53,20 +53,33 @@ MB_KERNEL void mb_ssd_store_k(int64_t B, const int64_t *st, int64_t Q, int64_t W
  * receives the state entering chunk c, and a folding chunk moves it on by
  * h = fma(E[c, h], h, S[c, h]) (E = exp(dA_cs_last), S the chunk's contraction).
  * h (B, H, HP, NS) ends as the state entering the last chunk's successor. One
- * thread per element of h; hck may be S itself (each element is read first). */
+ * thread per element of h; hck may be S itself, so each group of SSD_CHAIN_RUN
+ * chunks is read before any of it is written, which also keeps that many loads in
+ * flight per thread instead of one. */
+#define SSD_CHAIN_RUN 8
 MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
                               const float *E, const float *S, float *h, float *hck)
 {
     const int64_t per = SSD_HP * SSD_NS;
     MB_GRID_LOOP(i, B * H * per) {
-        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per;
+        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per, c1 = cbeg[b + 1];
         float v = h[i];
-        for (int64_t c = cbeg[b]; c < cbeg[b + 1]; c++) {
-            const int64_t ch = c * H + hh;
-            const bool fold = desc[c * MB_DESC + 5] != 0;
-            const float sv = fold ? S[ch * per + e] : 0.0f; /* read before hck, which may be S */
-            hck[ch * per + e] = v;
-            if (fold) v = fmaf(E[ch], v, sv);
+        for (int64_t c0 = cbeg[b]; c0 < c1; c0 += SSD_CHAIN_RUN) {
+            float sv[SSD_CHAIN_RUN], ev[SSD_CHAIN_RUN];
+            bool fold[SSD_CHAIN_RUN];
+#pragma unroll
+            for (int k = 0; k < SSD_CHAIN_RUN; k++) {
+                const int64_t ch = (c0 + k) * H + hh;
+                fold[k] = c0 + k < c1 && desc[(c0 + k) * MB_DESC + 5] != 0;
+                sv[k] = fold[k] ? S[ch * per + e] : 0.0f;
+                ev[k] = fold[k] ? E[ch] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < SSD_CHAIN_RUN; k++) {
+                if (c0 + k >= c1) break;
+                hck[((c0 + k) * H + hh) * per + e] = v;
+                if (fold[k]) v = fmaf(ev[k], v, sv[k]);
+            }
         }
         h[i] = v;
     }
@@ -76,7 +89,7 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
  * serial over the row's chunks [cbeg[b], cbeg[b + 1]) in reverse: the last chunk
  * passes its own Sd back, every earlier chunk c receives it as dh[c] and passes
  * fma(E[c], dh[c], Sd[c]) on (not formed for the row's first chunk, which has no
- * predecessor). One thread per element. */
+ * predecessor). One thread per element; loads run ahead as in mb_ssd_chain_k. */
 MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
                                const float *Sd, float *dh)
 {
@@ -85,10 +98,21 @@ MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const 
         const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per;
         const int64_t c0 = cbeg[b], last = cbeg[b + 1] - 1;
         float v = Sd[(last * H + hh) * per + e];
-        for (int64_t c = last - 1; c >= c0; c--) {
-            const int64_t ch = c * H + hh;
-            dh[ch * per + e] = v;
-            if (c > c0) v = fmaf(E[ch], v, Sd[ch * per + e]);
+        for (int64_t ct = last - 1; ct >= c0; ct -= SSD_CHAIN_RUN) {
+            float sv[SSD_CHAIN_RUN], ev[SSD_CHAIN_RUN];
+#pragma unroll
+            for (int k = 0; k < SSD_CHAIN_RUN; k++) {
+                const int64_t c = ct - k, ch = c * H + hh;
+                sv[k] = c > c0 ? Sd[ch * per + e] : 0.0f;
+                ev[k] = c > c0 ? E[ch] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < SSD_CHAIN_RUN; k++) {
+                const int64_t c = ct - k;
+                if (c < c0) break;
+                dh[(c * H + hh) * per + e] = v;
+                if (c > c0) v = fmaf(ev[k], v, sv[k]);
+            }
         }
     }
 }
