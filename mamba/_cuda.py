@@ -487,6 +487,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                              "place, so it cannot be copied)")
         if len(shape) > MAX_NDIM:
             raise ValueError(f"mamba {what}: {name} has more than {MAX_NDIM} dimensions")
+        return self.gather(s, a, shape, strides)
+
+    def gather(self, s, a, shape, strides):
+        """A new C-order device array of `shape` taking a's elements at `strides`
+        (elements), on stream s."""
         lay = _Layout(len(shape))
         for i, (d, st) in enumerate(zip(shape, strides)):
             lay.shape[i], lay.strides[i] = d, st

@@ -194,25 +194,41 @@ class SsdMixin:
         return tuple(plan.counts)
 
     def _m2_report_inputs(self, w, dt_limit, pieces, counts):
-        """Device copies of all the h_last report reads (the weights' device copies
-        are never edited: refresh_weights replaces them)."""
-        return (w[4], w[5], dt_limit, self.copy(pieces[1]), self.copy(pieces[2]),
-                self.copy(pieces[3]), counts, pieces[1].device == self.name)
+        """What the h_last report reads, copied in stream order on the device (h and
+        the open rows of the two chunk buffers), or on the host for a host state. The
+        weights' device copies are never edited: refresh_weights replaces them."""
+        h, bx, bd = pieces[1:4]
+        if h.device != self.name:
+            return (w[4], w[5], dt_limit, _core.copy(h), _core.copy_leading_rows(bx, counts),
+                    _core.copy_leading_rows(bd, counts), counts, None)
+        self._enter()
+        s = self.stream()
+        hc = self.empty(h.shape, like=h)
+        self.copy_into(hc, h)
+        n = max(max(counts), 1)  # an empty chunk still reads nothing past row 0
+        open_rows = [self.gather(s, a, (a.shape[0], n, a.shape[2]),
+                                 (a.shape[1] * a.shape[2], a.shape[2], 1)) for a in (bx, bd)]
+        return (w[4], w[5], dt_limit, hc, *open_rows, counts, s.number)
 
     def _m2_h_last(self, d_model, inputs):
         """The open rows folded into h as if the chunk closed; on the device when the
         state was, else on the host."""
         C = self._ssd_fn("mb_m2_prep_k", "mb_m2_fold_k")
-        dt_bias, A_log, (lo, hi), h, bx, bd, counts, on_device = inputs
+        dt_bias, A_log, (lo, hi), h, bx, bd, counts, producer = inputs
         self._enter()
         st = self.stream()
         s = st.cu
+        on_device = producer is not None
+        if not on_device:
+            h, bx, bd = self.copy(h), self.copy(bx), self.copy(bd)
+        elif producer != st.number:
+            self._wait(s, self._stream_of(producer))
         B, di = h.shape[0], 2 * d_model
         H, CD = di // HP, di + 2 * NS
         out = self.empty(h.shape, like=h) if on_device else _core.empty(h.shape)
         desc = []
         for b in range(B):
-            desc += [b, b * M2_Q, counts[b], 0, 0, 0]
+            desc += [b, b * bx.shape[1], counts[b], 0, 0, 0]
         with C._Scratch(self, st) as sc:
             host = (ctypes.c_int64 * len(desc))(*desc)
             dp = sc.upload(ctypes.addressof(host), 8 * len(desc))
@@ -223,6 +239,8 @@ class SsdMixin:
             self._launch(s, "mb_m2_fold_k", (B, H), FOLD_THREADS, dp, H, di, CD, bx, dt, cs, h,
                          od, 0)
             self._finish(st, [] if on_device else [(out, od)])
+        if on_device and producer != st.number:  # the copies are freed in the producer's order
+            self._wait(self._stream_of(producer), s)
         return out
 
     # ---------------------------------------------------------------- Mamba-3

@@ -184,7 +184,8 @@ def test_backward_device_arrays(be, name):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_device_state_and_session(be, name):
     """Device x and state: a prefill, then session steps on device inputs across a
-    chunk boundary; outputs, reports and state are the C reference's."""
+    chunk boundary; outputs, reports after every call and state are the C
+    reference's."""
     P, T = BLOCKS[name]["decode"]
     cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
     x = rand((2, T, cpu.d_model), 11)
@@ -200,6 +201,8 @@ def test_device_state_and_session(be, name):
             xt = time_slice(x, t, t + 1)
             got.append((f"step {t}", host(sess.step(be.copy(xt)))))
             want.append((f"step {t}", raw(cpu.step(xt, st_c))))
+            got += [(f"{r} {t}", host(getattr(gpu, r))) for r in REPORTS[name]]
+            want += [(f"{r} {t}", raw(getattr(cpu, r))) for r in REPORTS[name]]
     assert_same(got + state_of(st_d), want + state_of(st_c), f"{name} on device")
 
 

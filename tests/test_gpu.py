@@ -152,7 +152,8 @@ def test_device_weights_and_session(be, torch):
 @pytest.mark.parametrize("name,P,T", [("mamba2", 250, 262), ("mamba3", 60, 70)])
 def test_ssd_device_in_device_out(be, torch, name, P, T):
     """Mamba-2/3: device x and device state, through a chunk boundary by decode
-    steps in a session; outputs, state and reports equal the C reference's."""
+    steps in a session; outputs, state and reports (h_last_ after every step, read
+    on another stream) equal the C reference's."""
     if not _backends.supports(be, _backends._op_for(f"Mamba{name[-1]}Block")):
         pytest.skip(f"{name} is not enabled on the CUDA backend (MAMBA_CUDA_SSD=1 enables it)")
     cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
@@ -165,12 +166,15 @@ def test_ssd_device_in_device_out(be, torch, name, P, T):
     reports = ("h_last_",) if name == "mamba2" else ("h_last_", "k_last_", "v_last_", "theta_last_")
     for r in reports:
         assert host_bytes(getattr(gpu, r)) == raw(getattr(cpu, r)), r
+    side = torch.cuda.Stream()
     with gpu.decode_session(st_d) as sess:
         for t in range(P, T):
             xt = time_slice(x, t, t + 1)
             yt = sess.step(dev(torch, xt))
             assert yt.device == "cuda"
             assert host_bytes(yt) == raw(cpu.step(xt, st_c)), f"token {t}"
+            with torch.cuda.stream(side), mamba.stream(side):  # read on another stream
+                assert host_bytes(gpu.h_last_) == raw(cpu.h_last_), f"h_last_ after {t}"
     for n, p in zip(st_c._PIECES, st_c.pieces()):
         assert host_bytes(getattr(st_d, n)) == raw(p), n
     for n in st_c._SCALARS:
