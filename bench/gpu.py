@@ -103,6 +103,18 @@ def session_rates(blk, B, dm, n=300):
     return out
 
 
+def issue_ms(fn, reps=20):
+    """Median host ms for fn to return (the device may still be running it)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
 def kernel_table(fn):
     """Device time per kernel name over one call (torch's profiler sees our launches)."""
     from torch.profiler import profile, ProfilerActivity
@@ -174,8 +186,11 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
                 blk = CLASSES[kind](w, numeric_mode=mode, backend="cuda")
                 row[mode + "_ms"] = events_ms(lambda: blk.forward(x))
                 row[mode + "_peak_mib"] = pool_peak_mib(be, lambda: blk.forward(x))
-                if wname == "W2":
+                if wname in ("W1", "W2"):
                     row[mode + "_kernels_ms"] = kernel_table(lambda: blk.forward(x))
+                if wname == "W1":  # host time to issue one call (no wait), and device busy time
+                    row[mode + "_issue_ms"] = issue_ms(lambda: blk.forward(x))
+                    row[mode + "_kernel_sum_ms"] = sum(row[mode + "_kernels_ms"].values())
                 del blk
             if upstream_ok:
                 ub = upstream.Block(kind, w, dm)
