@@ -7,7 +7,7 @@ docs/performance.md, each followed by the load average while it ran (other proce
 on the machine slow our OpenMP threads more than torch's: compare under low load).
 
     python bench/cpu.py [--blocks mamba1 mamba2 mamba3] [--rows forward big decode backward]
-                        [--quick] [--rounds N]
+                        [--quick] [--rounds N] [--slow-baseline]
 
 Rows: forward (B=1 L=2048 d_model=384), big (Mamba-2 only: B=4 L=4096 d_model=768),
 decode (one session step at d_model 1024 after a prompt), backward (forward + backward,
@@ -35,12 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_mamba3  # noqa: E402
 
 
-def paired_ms(fn, ref, reps):
+def paired_ms(fn, ref, reps, ref_warm=True):
     """Medians (ms) of reps timed calls of fn and of ref after a warm-up each, the two
-    alternating call by call so that a change of load hits both."""
+    alternating call by call so that a change of load hits both. ref_warm=False times
+    the baseline's first call (for baselines that take minutes per call)."""
     times = ([], [])
     fn()
-    ref()
+    if ref_warm:
+        ref()
     for _ in range(reps):
         for f, t in zip((fn, ref), times):
             t0 = time.perf_counter()
@@ -121,7 +123,7 @@ def forward_row(name, B, L, dm, reps):
     return row(case, t_us, t_ref, who)
 
 
-def backward_row(name, B, L, dm, reps):
+def backward_row(name, B, L, dm, reps, ref_warm=True):
     w = mamba.random_weights(name, dm)
     ours = CLASSES[name](w, backend="cpu")
     rng = np.random.default_rng(0)
@@ -137,7 +139,8 @@ def backward_row(name, B, L, dm, reps):
         xt.grad = None
         ref(xt).backward(dyt)
 
-    t_us, t_ref = paired_ms(lambda: (ours.forward(x), ours.backward(x, dy)), step, reps)
+    t_us, t_ref = paired_ms(lambda: (ours.forward(x), ours.backward(x, dy)), step, reps,
+                            ref_warm)
     return row(f"{CLASSES[name].__name__} forward + backward B={B} L={L} d_model={dm}",
                t_us, t_ref, who + " + autograd")
 
@@ -205,6 +208,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--rounds", type=int, default=1, help="repeat everything this many times")
+    p.add_argument("--slow-baseline", action="store_true",
+                   help="backward rows: one cold call of the baseline (HF's Mamba-1 training "
+                        "path loops over L in Python and takes many minutes at L=2048)")
     args = p.parse_args()
     reps = 3 if args.quick else 7
     print(header())
@@ -224,7 +230,8 @@ def main():
                 out(decode_row(name, 1024, 384 if name == "mamba2" else 60, 10 * reps))
             if "backward" in args.rows:
                 try:
-                    out(backward_row(name, 1, 2048, 384, max(2, reps // 2)))
+                    out(backward_row(name, 1, 2048, 384, 1 if args.slow_baseline else
+                                     max(2, reps // 2), not args.slow_baseline))
                 except NotImplementedError as e:
                     out(f"| {CLASSES[name].__name__} forward + backward | {e} | | |")
 
