@@ -38,32 +38,16 @@ static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return _mm512_min_ps(a, b); }
 /* every lane a >= b (false where either is NaN) */
 static inline int mb_vall_ge(mb_vf a, mb_vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ) == 0xFFFF; }
 
-/* exp for x in [MB_EXP_LO, MB_EXP_HI] (not NaN), where mb_exp's clamp and selects
- * change nothing */
-static inline mb_vf mb_vexp_core(mb_vf xc)
-{
-    const mb_vf v = _mm512_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
-    const mb_vf z = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    mb_vf r = _mm512_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
-    r = _mm512_fmadd_ps(z, mb_vset(MB_EXP_C2), r);
-    mb_vf p = _mm512_fmadd_ps(mb_vset(MB_EXP_P0), r, mb_vset(MB_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, mb_vset(MB_EXP_P5));
-    mb_vf y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), mb_vset(1.0f));
-    return _mm512_scalef_ps(y, z);
-}
-
-static inline mb_vf mb_vexp(mb_vf x)
-{
-    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
-    /* x > lo ? x : lo, then < hi */
-    mb_vf y = mb_vexp_core(_mm512_min_ps(_mm512_max_ps(x, lo), hi));
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), mb_vzero());
-    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), mb_vset(mb_u2f_(0x7f800000u)));
-    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_EQ_OQ), y);
-}
+static inline mb_vf mb_vmax(mb_vf a, mb_vf b) { return _mm512_max_ps(a, b); }
+static inline mb_vf mb_vfloor(mb_vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* y * 2^z for whole z in exp's range: one vscalefps, rounding once as the two-step
+ * scaling does (its first product is exact) */
+static inline mb_vf mb_vscale2(mb_vf y, mb_vf z) { return _mm512_scalef_ps(y, z); }
+/* c ? t : f lane by lane, for c = a < b, a > b (ordered: false where either is
+ * NaN), a not NaN */
+static inline mb_vf mb_vif_lt(mb_vf a, mb_vf b, mb_vf t, mb_vf f) { return _mm512_mask_mov_ps(f, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), t); }
+static inline mb_vf mb_vif_gt(mb_vf a, mb_vf b, mb_vf t, mb_vf f) { return _mm512_mask_mov_ps(f, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), t); }
+static inline mb_vf mb_vif_num(mb_vf a, mb_vf t, mb_vf f) { return _mm512_mask_mov_ps(f, _mm512_cmp_ps_mask(a, a, _CMP_EQ_OQ), t); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_VW 8
@@ -84,32 +68,19 @@ static inline mb_vf mb_vneg(mb_vf a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0
 static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return _mm256_min_ps(a, b); }
 static inline int mb_vall_ge(mb_vf a, mb_vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)) == 0xFF; }
 
-static inline mb_vf mb_vexp_core(mb_vf xc)
+static inline mb_vf mb_vmax(mb_vf a, mb_vf b) { return _mm256_max_ps(a, b); }
+static inline mb_vf mb_vfloor(mb_vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* y * 2^z as mb_exp scales: by 2^(k >> 1), then by the rest (k = z) */
+static inline mb_vf mb_vscale2(mb_vf y, mb_vf z)
 {
-    const mb_vf v = _mm256_fmadd_ps(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f));
-    const mb_vf z = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    mb_vf r = _mm256_fmadd_ps(z, mb_vset(MB_EXP_C1), xc);
-    r = _mm256_fmadd_ps(z, mb_vset(MB_EXP_C2), r);
-    mb_vf p = _mm256_fmadd_ps(mb_vset(MB_EXP_P0), r, mb_vset(MB_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, mb_vset(MB_EXP_P5));
-    mb_vf y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), mb_vset(1.0f));
     const __m256i k = _mm256_cvtps_epi32(z), k1 = _mm256_srai_epi32(k, 1);
     const __m256i k2 = _mm256_sub_epi32(k, k1), bias = _mm256_set1_epi32(127);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23)));
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23)));
 }
-
-static inline mb_vf mb_vexp(mb_vf x)
-{
-    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
-    mb_vf y = mb_vexp_core(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
-    y = _mm256_blendv_ps(y, mb_vzero(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-    y = _mm256_blendv_ps(y, mb_vset(mb_u2f_(0x7f800000u)), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
-    return _mm256_blendv_ps(x, y, _mm256_cmp_ps(x, x, _CMP_EQ_OQ));
-}
+static inline mb_vf mb_vif_lt(mb_vf a, mb_vf b, mb_vf t, mb_vf f) { return _mm256_blendv_ps(f, t, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+static inline mb_vf mb_vif_gt(mb_vf a, mb_vf b, mb_vf t, mb_vf f) { return _mm256_blendv_ps(f, t, _mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+static inline mb_vf mb_vif_num(mb_vf a, mb_vf t, mb_vf f) { return _mm256_blendv_ps(f, t, _mm256_cmp_ps(a, a, _CMP_EQ_OQ)); }
 #else
 #define MB_VW 1
 typedef float mb_vf;
@@ -129,6 +100,32 @@ static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return a < b ? a : b; }
 static inline int mb_vall_ge(mb_vf a, mb_vf b) { return a >= b; }
 static inline mb_vf mb_vexp(mb_vf x) { return mb_exp(x); }
 static inline mb_vf mb_vexp_core(mb_vf x) { return mb_exp(x); }
+#endif
+
+#if MB_VW > 1
+/* exp for x in [MB_EXP_LO, MB_EXP_HI] (not NaN), where mb_exp's clamp and selects
+ * change nothing */
+static inline mb_vf mb_vexp_core(mb_vf xc)
+{
+    const mb_vf z = mb_vfloor(mb_vfma(xc, mb_vset(MB_EXP_LOG2E), mb_vset(0.5f)));
+    mb_vf r = mb_vfma(z, mb_vset(MB_EXP_C1), xc);
+    r = mb_vfma(z, mb_vset(MB_EXP_C2), r);
+    mb_vf p = mb_vfma(mb_vset(MB_EXP_P0), r, mb_vset(MB_EXP_P1));
+    p = mb_vfma(p, r, mb_vset(MB_EXP_P2));
+    p = mb_vfma(p, r, mb_vset(MB_EXP_P3));
+    p = mb_vfma(p, r, mb_vset(MB_EXP_P4));
+    p = mb_vfma(p, r, mb_vset(MB_EXP_P5));
+    return mb_vscale2(mb_vadd(mb_vfma(p, mb_vmul(r, r), r), mb_vset(1.0f)), z);
+}
+
+static inline mb_vf mb_vexp(mb_vf x)
+{
+    const mb_vf lo = mb_vset(MB_EXP_LO), hi = mb_vset(MB_EXP_HI);
+    mb_vf y = mb_vexp_core(mb_vmin(mb_vmax(x, lo), hi));
+    y = mb_vif_lt(x, lo, mb_vzero(), y);
+    y = mb_vif_gt(x, hi, mb_vset(mb_u2f_(0x7f800000u)), y);
+    return mb_vif_num(x, y, x);
+}
 #endif
 
 /* mb_silu: x / (1 + exp(-x)), one division */
