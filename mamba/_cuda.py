@@ -30,7 +30,7 @@ from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
-GEMM_TILE, GEMM_THREADS = 128, 256                 # gemm.cu mb_gemm_k: BM = BN, THREADS
+GEMM_BM, GEMM_BN, GEMM_THREADS = 128, 256, 256    # gemm.cu mb_gemm_k: BM, BN, THREADS
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # gemm.cu / rmsnorm.cu: GV_KC = RN_KC
@@ -532,7 +532,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         else:
             assert not res
             name, threads, smem = "mb_gemm_k", GEMM_THREADS, 0
-            grid = (_cdiv(N, GEMM_TILE), _cdiv(M, GEMM_TILE), P)
+            grid = (_cdiv(N, GEMM_BN), _cdiv(M, GEMM_BM), P)
             tail = ()
         if P == 1:
             self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
