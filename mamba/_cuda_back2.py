@@ -10,10 +10,12 @@ pieces of _cuda_grad.py.
 """
 from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS
 
+ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
+COL_THREADS = 256  # back2.cu COL_THREADS
+
 BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
-                "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_sdh_k",
-                "mb_ssd_dchain_k", "mb_m2b_col_k", "mb_m2b_dt_k", "mb_m2b_dgs_k", "mb_m2b_bc_k",
-                "mb_m2b_alog_k")
+                "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_off_k",
+                "mb_ssd_dchain_k", "mb_m2b_col_k", "mb_m2b_dgs_k", "mb_m2b_bc_k", "mb_m2b_alog_k")
 
 
 class Back2Mixin:
@@ -25,6 +27,11 @@ class Back2Mixin:
         self._enter()
         st = self.stream()
         s, T = st.cu, _cuda.THREADS
+
+        def scope():
+            """Scratch freed (in stream order) when its phase ends, for later ones."""
+            return _cuda._Scratch(self, st)
+
         dm, B, L = d_model, x.shape[0], x.shape[1]
         di = 2 * dm
         H, CD = di // HP, di + 2 * NS
@@ -35,84 +42,90 @@ class Back2Mixin:
         nk = NC // B
         lo, hi = _bits(dt_limit[0]), _bits(dt_limit[1])
         back = []
-        with _cuda._Scratch(self, st) as sc:
+        with scope() as sc:
             I = plan.upload(sc)
             xd, dyd = self._on_device(sc, x), self._on_device(sc, dy)
             outs = [self._out(sc, a, back) for a in (gx,) + tuple(gw)]
             g_x, g_norm, g_in, g_convw, g_convb, g_dtb, g_alog, g_D, g_gnorm, g_out = outs
+            xn, dzxd = sc(M * dm), sc(M * NP)
+            with scope() as f:  # the forward's activations, read up to the conv's backward
+                r, zx = f(M), f(M * NP)
+                P = self._parts(M, NP, dm)
+                self._rmsnorm(s, False, M, dm, xd, norm_w, xn, r)
+                self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, f(P) if P else 0)
+                pre, U, DTR = f(M * CD), f(M * CD), f(M * H)
+                self.g_conv_pre(s, B, L, CD, zx + 4 * di, NP, conv_w, conv_b, pre, CD, U, CD)
+                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * H, B), T,
+                             B, I["off"], I["off"], I["zero"], H, zx + 4 * (di + CD), NP, DTR)
+                dt, dA, cs = f(NC * H * Q), f(NC * H * Q), f(NC * H * Q)
+                self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), T, NC, I["desc"], H, DTR,
+                             dt_bias, A_log, lo, hi, dt, dA, cs)
+                G = f(NC * Q * Q)
+                self._launch(s, "mb_m2_g_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], di, CD,
+                             U, G)
+                Ec, hck = f(NC * H), f(NC * H * per)
+                with scope() as t:
+                    S, h0 = t(NC * H * per), t(B * H * per)
+                    self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
+                                 I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
+                    self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s), "cuMemsetD32Async")
+                    self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,
+                                 B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
+                Y = dY = f(M * di)  # Y before the gate, then its gradient in place
+                with scope() as t:  # the gated norm, out_proj and the gate
+                    g, dgn = t(M * di), t(M * di)
+                    self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G,
+                                 dt, dA, cs, hck, D, Y)
+                    self._ck(self.cu.cuMemcpyDtoDAsync(g, Y, 4 * M * di, s), "cuMemcpyDtoDAsync")
+                    self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), T, M, di, zx, NP, g)
+                    with scope() as u:
+                        gn = u(M * di)
+                        self._rmsnorm(s, False, M, di, g, gnorm_w, gn, r)
+                        self.g_linear_bwd(s, u, M, dm, di, gn, di, out_proj, di, dyd, dm, g_out,
+                                          dgn, di)
+                    dg, xr = t(M * di), t(M * di)
+                    self.g_rmsnorm_bwd(s, t, M, di, g, di, gnorm_w, dgn, di, dg, di, xr, di)
+                    self.g_colfold(s, t, B, L, di, dgn, di, g_gnorm, 1, xr, di)
+                    self._launch(s, "mb_m2b_gate_k", (self._grid(M * di),), T, M, di, Y, zx, NP,
+                                 dg, dzxd, dY)
 
-            # the forward, keeping its activations
-            r, xn, zx = sc(M), sc(M * dm), sc(M * NP)
-            P = self._parts(M, NP, dm)
-            self._rmsnorm(s, False, M, dm, xd, norm_w, xn, r)
-            self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, sc(P) if P else 0)
-            pre, U, DTR = sc(M * CD), sc(M * CD), sc(M * H)
-            self.g_conv_pre(s, B, L, CD, zx + 4 * di, NP, conv_w, conv_b, pre, CD, U, CD)
-            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * H, B), T,
-                         B, I["off"], I["off"], I["zero"], H, zx + 4 * (di + CD), NP, DTR)
-            dt, dA, cs = sc(NC * H * Q), sc(NC * H * Q), sc(NC * H * Q)
-            self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), T, NC, I["desc"], H, DTR,
-                         dt_bias, A_log, lo, hi, dt, dA, cs)
-            G = sc(NC * Q * Q)
-            self._launch(s, "mb_m2_g_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], di, CD, U, G)
-            S, Ec, hck, h0 = sc(NC * H * per), sc(NC * H), sc(NC * H * per), sc(B * H * per)
-            self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
-                         I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
-            self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s), "cuMemsetD32Async")
-            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,
-                         B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
-            Y, g, gn = sc(M * di), sc(M * di), sc(M * di)
-            self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
-                         cs, hck, D, Y)
-            self._ck(self.cu.cuMemcpyDtoDAsync(g, Y, 4 * M * di, s), "cuMemcpyDtoDAsync")
-            self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), T, M, di, zx, NP, g)
-            self._rmsnorm(s, False, M, di, g, gnorm_w, gn, r)
+                # the SSD: each chunk's own part, the dh chain, the parts that read dh
+                du, ddA, dts = f(M * CD), f(M * H), f(M * H)
+                with scope() as t:
+                    dcs, sacc, Sd, dh = t(NC * H * Q), t(NC * H * Q), t(NC * H * per), t(NC * H * per)
+                    self._launch(s, "mb_m2b_row_k", (H, NC), Q, I["desc"], H, di, CD, U, G, dt, dA,
+                                 dY, sacc, du)
+                    self._launch(s, "mb_m2b_off_k", (H, NC), FOLD_THREADS, I["desc"], nk, H, di,
+                                 CD, U, cs, hck, dY, dcs, Sd)
+                    self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), T, B, H,
+                                 I["cbeg"], Ec, Sd, dh)
+                    self._launch(s, "mb_m2b_col_k", (H, NC), COL_THREADS, I["desc"], nk, H, di, CD,
+                                 U, DTR, dt_bias, A_log, lo, hi, dt, cs, hck, dh, dY, D, dcs, sacc,
+                                 du, dzxd + 4 * (di + CD), NP, ddA, dts)
+                    dGs = t(NC * Q * Q)
+                    tiles = Q // ROW_TILE
+                    self._launch(s, "mb_m2b_dgs_k", (tiles, NC), Q, I["desc"], H, di, CD, U, dt,
+                                 dA, dY, dGs)
+                    self._launch(s, "mb_m2b_bc_k", (tiles, NC, 2), NS, I["desc"], nk, H, di, CD, U,
+                                 dt, cs, hck, dh, dY, dGs, du)
 
-            # out_proj, the gated norm, the gate
-            dgn, dg, xr = sc(M * di), sc(M * di), sc(M * di)
-            self.g_linear_bwd(s, sc, M, dm, di, gn, di, out_proj, di, dyd, dm, g_out, dgn, di)
-            self.g_rmsnorm_bwd(s, sc, M, di, g, di, gnorm_w, dgn, di, dg, di, xr, di)
-            self.g_colfold(s, sc, B, L, di, dgn, di, g_gnorm, 1, xr, di)
-            dzxd, dY = sc(M * NP), sc(M * di)
-            self._launch(s, "mb_m2b_gate_k", (self._grid(M * di),), T, M, di, Y, zx, NP, dg,
-                         dzxd, dY)
+                # the per-head vectors: D over (token, p), A_log and dt_bias over tokens
+                with scope() as t:
+                    self.g_fold_flat(s, t, M, HP, dY, di, g_D, U, CD, H, HP, HP)
+                    self.g_fold_flat(s, t, M, 1, ddA, H, g_alog, dts, H, H, 1, 1)
+                    self._launch(s, "mb_m2b_alog_k", (1,), T, H, A_log, g_alog)
+                    self.g_fold_flat(s, t, M, 1, dzxd + 4 * (di + CD), NP, g_dtb, 0, 0, H, 1)
 
-            # the SSD: each chunk's own part, the dh chain, the parts that read dh
-            Mb, Pb, dcs = sc(NC * H * Q * Q), sc(NC * H * Q * Q), sc(NC * H * Q)
-            dGh, dyo, dCoff = sc(M * H * Q), sc(M * di), sc(M * H * NS)
-            self._launch(s, "mb_m2b_row_k", (Q, H, NC), HP, I["desc"], H, di, CD, U, G, dt, dA,
-                         cs, hck, dY, Mb, Pb, dGh, dcs, dyo, dCoff)
-            Sd, dh = sc(NC * H * per), sc(NC * H * per)
-            self._launch(s, "mb_m2b_sdh_k", (NC, H), FOLD_THREADS, I["desc"], nk, H, di, CD, U,
-                         dyo, Sd)
-            self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), T, B, H, I["cbeg"],
-                         Ec, Sd, dh)
-            du, dBst = sc(M * CD), sc(M * H * NS)
-            tmp, sacc, xdot = sc(NC * H * Q), sc(NC * H * Q), sc(NC * H * Q)
-            self._launch(s, "mb_m2b_col_k", (Q, H, NC), HP, I["desc"], nk, H, di, CD, U, dt, cs,
-                         dY, Mb, Pb, dh, D, du, dBst, tmp, sacc, xdot)
-            ddA, dts = sc(M * H), sc(M * H)
-            self._launch(s, "mb_m2b_dt_k", (self._grid(NC * H),), T, NC, I["desc"], nk, H, DTR,
-                         dt_bias, A_log, lo, hi, dt, cs, hck, dh, tmp, sacc, xdot, dcs,
-                         dzxd + 4 * (di + CD), NP, ddA, dts)
-            dGs = sc(NC * Q * Q)
-            self._launch(s, "mb_m2b_dgs_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], H,
-                         dGh, dGs)
-            self._launch(s, "mb_m2b_bc_k", (Q, NC, 2), NS, I["desc"], nk, H, di, CD, U, dGs,
-                         dCoff, dBst, du)
+                # conv + silu
+                with scope() as t:
+                    self.g_conv_silu_bwd(s, t, B, L, CD, du, CD, pre, CD, zx + 4 * di, NP, conv_w,
+                                         g_convw, g_convb, dzxd + 4 * di, NP)
 
-            # the per-head vectors: D over (token, p), A_log and dt_bias over tokens
-            self.g_fold_flat(s, sc, M, HP, dY, di, g_D, U, CD, H, HP, HP)
-            self.g_fold_flat(s, sc, M, 1, ddA, H, g_alog, dts, H, H, 1, 1)
-            self._launch(s, "mb_m2b_alog_k", (1,), T, H, A_log, g_alog)
-            self.g_fold_flat(s, sc, M, 1, dzxd + 4 * (di + CD), NP, g_dtb, 0, 0, H, 1)
-
-            # conv + silu, in_proj, the block norm and the residual
-            self.g_conv_silu_bwd(s, sc, B, L, CD, du, CD, pre, CD, zx + 4 * di, NP, conv_w,
-                                 g_convw, g_convb, dzxd + 4 * di, NP)
-            dxn, xr2 = sc(M * dm), sc(M * dm)
-            self.g_linear_bwd(s, sc, M, NP, dm, xn, dm, in_proj, dm, dzxd, NP, g_in, dxn, dm)
-            self.g_rmsnorm_bwd(s, sc, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xr2, dm)
-            self.g_colfold(s, sc, B, L, dm, dxn, dm, g_norm, 1, xr2, dm)
+            # in_proj, the block norm and the residual
+            with scope() as t:
+                dxn, xr2 = t(M * dm), t(M * dm)
+                self.g_linear_bwd(s, t, M, NP, dm, xn, dm, in_proj, dm, dzxd, NP, g_in, dxn, dm)
+                self.g_rmsnorm_bwd(s, t, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xr2, dm)
+                self.g_colfold(s, t, B, L, dm, dxn, dm, g_norm, 1, xr2, dm)
             self.g_add(s, M * dm, g_x, dyd, g_x)
             self._finish(st, back)
