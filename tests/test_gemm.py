@@ -55,7 +55,7 @@ def test_order_matters_for_these_inputs():
 
 def test_gil_released_during_forward():
     blk = mamba.Mamba1Block(mamba.random_weights("mamba1", 256), backend="cpu")
-    x = mamba.zeros((2, 512, 256))
+    x = mamba.zeros((4, 1024, 256))  # long enough to measure on a fast CPU too
     count = [0]
     stop = threading.Event()
 
