@@ -2,8 +2,8 @@
  * chunk_bwd and head_bwd in reference/back3.c, on the forward's chunk layout (ssd.cu
  * descriptors of a zero-state prefill without lengths: t0 = 0, so ext rows are the
  * packed tokens). The forward's own kernels (ssd3.cu) recompute q, k, v, dt, sig,
- * A*dt, the angles' cos and sin (m3_rotate), the chunk states hck (HP, NS per chunk
- * and head), E = exp(cs_last) and the gated output; mb_m3b_chunk_k recomputes the
+ * A*dt, the angles (mb_m3_angles_k), the chunk states hck (HP, NS per chunk and
+ * head), E = exp(cs_last) and the gated output; mb_m3b_chunk_k recomputes the
  * output before the gate from the same pieces.
  *
  * The C reference walks each (row, head) over its chunks in reverse because of dh,
@@ -12,15 +12,24 @@
  * function of the chunk alone, so every chunk's own part runs in parallel and only
  * that fma chain is serial. Each value is produced by the C reference's own
  * sequence of operations:
- *   mb_m3b_rotate_k  the forward's rotation, keeping each token's cos and sin.
- *   mb_m3b_sd_k      Sd_k per (chunk, head), from dy = dg * silu(z) (mb_m2_gate_k).
+ *   mb_m3b_rotate_k  the forward's rotation at the parked angles, keeping them.
+ *   mb_m3b_sd_k      Sd_k per (chunk, head); dy = dg * silu(z) throughout.
  *   (ssd.cu's mb_ssd_dchain_k: dh leaving each chunk, serial over a row's chunks.)
+ *   mb_m3b_f0_k      per folding chunk: the one chain of dot(dh^T, h^T).
  *   mb_m3b_chunk_k   per (chunk, head): the gradients of z, v, q_rot, k_rot * scale,
- *                    qk_gamma, the scales and A*dt.
- *   mb_m3b_theta_k   the angle gradient, serial over each row's tokens in reverse.
- *   mb_m3b_token_k   per (token, head): unrotated q and k gradients, dt, trap, dd_A.
+ *                    qk_gamma, the scales and A*dt; each token's angle terms.
+ *   mb_m3b_theta_k   the angle gradient, their sum over each row's tokens in reverse.
+ *   mb_m3b_token_k   per (token, head): dt, trap and dd_A's gradients.
+ *   mb_m3b_unrot_k   per (token, head, pair): unrotated q and k gradients, the
+ *                    per-head angle term.
  *   mb_m3b_heads_k   per token: q, k and angle gradients summed over the heads.
- * Per-token arrays are (M, H, ...) with M the packed tokens. */
+ * Per-token arrays are (M, H, ...) with M the packed tokens.
+ *
+ * The chunk products run as 64 x 64 tiles: thread (ti, tj) of 16 x 16 owns rows
+ * 4 ti..+3 and columns 4 tj..+3, each output one fmaf chain over k in the
+ * reference's direction, terms the reference does not have skipped; the operands
+ * are staged 16 k at a time as (k, 64) tiles, the next step's loads in flight
+ * during the current step's products. */
 #include "ssd3.cu" /* and grad.cu (mb_dsilu), included before this file */
 
 #define B3_THREADS 256
@@ -28,236 +37,577 @@
 /* Strictly lower triangles (j < i) of (M3Q, M3Q) tiles, packed row by row. */
 #define B3_NTRI (M3Q * (M3Q - 1) / 2)
 #define B3_TRI(i, j) ((i) * ((i) - 1) / 2 + (j))
-/* mb_m3b_chunk_k's dynamic shared memory, in floats: eight row vectors, two (M3Q, HP)
- * tiles and three triangles (_cuda_back3.py CHUNK_SMEM; under AMD's 64 KiB) */
-#define B3_SMEM (8 * M3Q + 2 * M3Q * SSD_HP + 3 * B3_NTRI)
+#define B3_K 16                  /* k values per staged step */
+#define B3_LD (M3Q + 4)          /* a staged row: 64 values, 16-byte aligned */
+#define B3_TILE (B3_K * B3_LD)
+#define B3_RS (M3Q + 1)          /* row stride of the (M3Q, 64) arrays kept whole */
+/* mb_m3b_chunk_k's dynamic shared memory, in floats: eight row vectors, one (M3Q, 64)
+ * array, three triangles and three staged tiles (_cuda_back3.py CHUNK_SMEM; under
+ * AMD's 64 KiB) */
+#define B3_SMEM (8 * M3Q + M3Q * B3_RS + 3 * B3_NTRI + 3 * B3_TILE)
+#define B3_AHEAD 16 /* tokens whose loads run ahead of mb_m3b_theta_k's chain */
+#define B3_F0W 4    /* mb_m3b_f0_k's chains (warps) per block */
+#define B3_F0M 8    /* rows of dh^T it stages per step */
+
+#if M3Q != 64 || SSD_HP != 64 || SSD_NS % B3_K != 0 || M3A != 32
+#error "the chunk tiles assume 64-row chunks, 64-wide heads, NS a multiple of B3_K, 32 angles"
+#endif
 
 /* Ext row i of a chunk starting at e0, head h: the index of its per-head values. */
 #define B3_EH(i) ((e0 + (i)) * H + h)
 
-/* One thread per (row, head, angle): the forward's m3_rotate, keeping cos and sin. */
-MB_KERNEL void mb_m3b_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
-                               const int64_t *t0, const float *Bn, const float *Cn,
-                               const float *B_bias, const float *C_bias, const float *TA,
-                               const float *DT, float *theta, float *Q, float *K, float *rot)
+/* One thread per (token, head, angle), after mb_m3_angles_k parked each token's angle
+ * in q's slot 2r: the forward's rotation (m3_rotate_token), keeping the angle in ANG
+ * (M, H, M3A) for mb_m3b_unrot_k. */
+MB_KERNEL void mb_m3b_rotate_k(int64_t M, int64_t H, const float *Bn, const float *Cn,
+                               const float *B_bias, const float *C_bias, float *Q, float *K,
+                               float *ANG)
 {
-    MB_GRID_LOOP(i, B * H * M3A) {
-        m3_rotate(i, H, off, eoff, t0, Bn, Cn, B_bias, C_bias, TA, DT, theta, Q, K, NULL, rot);
+    MB_GRID_LOOP(i, M * H * M3A) {
+        const int64_t e = i / M3A, r = i % M3A;
+        const float th = Q[e * SSD_NS + 2 * r];
+        ANG[i] = th;
+        m3_rotate_token(th, e % H, e / H, e, r, Bn, Cn, B_bias, C_bias, Q, K, NULL);
     }
 }
 
-/* cs of a chunk's n rows: the serial cumsum of A*dt from +0 (thread 0), then a barrier. */
-MB_DEV void b3_cumsum(const float *ADT, int64_t e0, int64_t n, int64_t H, int64_t h, float *cs)
+/* A staged operand: element (x, kk) of step s, x in [0, M3Q) along the product's rows
+ * or columns, kk in [0, B3_K) along k. KC: the source runs along kk, so consecutive
+ * threads take consecutive kk (coalesced loads); else consecutive x. */
+template <bool KC, class F> struct b3_src {
+    F f;
+};
+template <bool KC, class F> MB_DEV b3_src<KC, F> b3_in(F f) { return b3_src<KC, F>{f}; }
+struct b3_none {};
+
+/* The (x, kk) of this thread's u-th element of a tile. */
+template <bool KC> MB_DEV void b3_xk(int u, int &x, int &kk)
+{
+    const int e = threadIdx.x + u * B3_THREADS;
+    x = KC ? e / B3_K : e % M3Q;
+    kk = KC ? e % B3_K : e / M3Q;
+}
+template <bool KC, class F> MB_DEV void b3_fetch(const b3_src<KC, F> &src, int s, float (&r)[4])
+{
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int x, kk;
+        b3_xk<KC>(u, x, kk);
+        r[u] = src.f(s, x, kk);
+    }
+}
+template <bool KC, class F> MB_DEV void b3_put(const b3_src<KC, F> &, float *t, const float (&r)[4])
+{
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int x, kk;
+        b3_xk<KC>(u, x, kk);
+        t[kk * B3_LD + x] = r[u];
+    }
+}
+MB_DEV void b3_fetch(const b3_none &, int, float (&)[4]) {}
+MB_DEV void b3_put(const b3_none &, float *, const float (&)[4]) {}
+
+/* Steps s = 0 .. ns - 1 (ns the same in every thread): the tiles of operands a, b, c
+ * at T, T + B3_TILE, T + 2 B3_TILE, then body(s) on them. Step s + 1's loads are
+ * issued before body(s) runs; the tiles are rewritten once every thread is done with
+ * the previous step. */
+template <class A, class B, class C, class Body>
+MB_DEV void b3_steps(int ns, float *T, const A &a, const B &b, const C &c, Body body)
+{
+    float ra[4], rb[4], rc[4];
+    if (ns > 0) {
+        b3_fetch(a, 0, ra);
+        b3_fetch(b, 0, rb);
+        b3_fetch(c, 0, rc);
+    }
+    for (int s = 0; s < ns; s++) {
+        __syncthreads();
+        b3_put(a, T, ra);
+        b3_put(b, T + B3_TILE, rb);
+        b3_put(c, T + 2 * B3_TILE, rc);
+        __syncthreads();
+        if (s + 1 < ns) {
+            b3_fetch(a, s + 1, ra);
+            b3_fetch(b, s + 1, rb);
+            b3_fetch(c, s + 1, rc);
+        }
+        body(s);
+    }
+}
+
+/* acc[r][q] = fmaf(A[kk][4 ti + r], B[kk][4 tj + q], acc[r][q]) over a staged step's kk,
+ * ascending (descending with DESC), where keep(kk, r). */
+template <bool DESC, class Keep>
+MB_DEV void b3_mma(float (&acc)[4][4], const float *A, const float *B, Keep keep)
+{
+    const int ti = threadIdx.x / 16, tj = threadIdx.x % 16;
+#pragma unroll
+    for (int t = 0; t < B3_K; t++) {
+        const int kk = DESC ? B3_K - 1 - t : t;
+        const float4 a4 = *reinterpret_cast<const float4 *>(A + kk * B3_LD + 4 * ti);
+        const float4 b4 = *reinterpret_cast<const float4 *>(B + kk * B3_LD + 4 * tj);
+        const float a[4] = {a4.x, a4.y, a4.z, a4.w}, b[4] = {b4.x, b4.y, b4.z, b4.w};
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (keep(kk, r))
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[r][q] = fmaf(a[r], b[q], acc[r][q]);
+    }
+}
+
+struct b3_every {
+    __device__ bool operator()(int, int) const { return true; }
+};
+
+/* A full chain's step (every k a term). */
+MB_DEV void b3_full(float (&acc)[4][4], const float *T)
+{
+    b3_mma<false>(acc, T, T + B3_TILE, b3_every());
+}
+
+/* Step k0 of a chain over k < i, ascending (row i = 4 ti + r). */
+MB_DEV void b3_below(float (&acc)[4][4], const float *T, int k0)
+{
+    const int i0 = 4 * (threadIdx.x / 16);
+    if (k0 + B3_K <= i0)
+        b3_full(acc, T);
+    else if (k0 < i0 + 3)
+        b3_mma<false>(acc, T, T + B3_TILE, [&](int kk, int r) { return k0 + kk < i0 + r; });
+}
+
+/* Step k0 of a chain over j < k < n, descending (row j = 4 ti + r). */
+MB_DEV void b3_above(float (&acc)[4][4], const float *T, int k0, int n)
+{
+    const int j0 = 4 * (threadIdx.x / 16);
+    if (k0 > j0 + 3 && k0 + B3_K <= n)
+        b3_mma<true>(acc, T, T + B3_TILE, b3_every());
+    else if (k0 + B3_K - 1 > j0)
+        b3_mma<true>(acc, T, T + B3_TILE,
+                     [&](int kk, int r) { return k0 + kk > j0 + r && k0 + kk < n; });
+}
+
+/* cs of a chunk's n rows: the serial cumsum of adt from +0 (thread 0), then a barrier. */
+MB_DEV void b3_cumsum(const float *adt, int n, float *cs)
 {
     if (threadIdx.x == 0) {
         float acc = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            acc = acc + ADT[B3_EH(i)];
+        for (int i = 0; i < n; i++) {
+            acc = acc + adt[i];
             cs[i] = acc;
         }
     }
     __syncthreads();
 }
 
+/* dy = dg * silu(z) of row i (packed token tok + i), column p of head h. */
+#define B3_DY(i, p)                                                                   \
+    (dyg[(tok + (i)) * di + h * SSD_HP + (p)] * mb_silu(zx[(tok + (i)) * dip + h * SSD_HP + (p)]))
+
 /* Block (chunk c, head h): Sd[c, h][m][p] = sum over the chunk's rows i ascending of
- * q_rot_i[m] * (dy_i[p] * exp(cs_i)). */
+ * q_rot_i[m] * (dy_i[p] * exp(cs_i)), as two (64, 64) halves of m. */
 MB_KERNEL void MB_BOUNDS(B3_THREADS)
-mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, const float *Q, const float *ADT,
-            const float *dY, float *Sd)
+mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q,
+            const float *ADT, const float *zx, const float *dyg, float *Sd)
 {
-    __shared__ float ev[M3Q];
+    __shared__ __align__(16) float T[2 * B3_TILE];
+    __shared__ float ev[M3Q], DYE[M3Q * B3_RS];
     const int64_t c = blockIdx.x, h = blockIdx.y, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], tok = d[4];
-    b3_cumsum(ADT, e0, n, H, h, ev);
-    if (threadIdx.x < n) ev[threadIdx.x] = mb_exp(ev[threadIdx.x]);
+    const int64_t e0 = d[1], tok = d[4];
+    const int n = (int)d[2], tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
+    if (tid < n) ev[tid] = ADT[B3_EH(tid)];
     __syncthreads();
-    for (int64_t e = threadIdx.x; e < B3_PER; e += B3_THREADS) {
-        const int64_t m = e / SSD_HP, p = e % SSD_HP;
-        const float *y = dY + tok * di + h * SSD_HP + p;
-        float acc = 0.0f;
-        for (int64_t i = 0; i < n; i++)
-            acc = fmaf(Q[B3_EH(i) * SSD_NS + m], y[i * di] * ev[i], acc);
-        Sd[(c * H + h) * B3_PER + e] = acc;
+    b3_cumsum(ev, n, ev);
+    if (tid < n) ev[tid] = mb_exp(ev[tid]);
+    __syncthreads();
+    for (int x = tid; x < n * SSD_HP; x += B3_THREADS) {
+        const int i = x / SSD_HP, p = x % SSD_HP;
+        DYE[i * B3_RS + p] = B3_DY(i, p) * ev[i];
+    }
+    __syncthreads();
+    const int ni = (n + B3_K - 1) / B3_K;
+    for (int m0 = 0; m0 < SSD_NS; m0 += M3Q) {
+        float acc[4][4] = {};
+        b3_steps(ni, T, b3_in<false>([&](int s, int x, int kk) {
+                     const int i = B3_K * s + kk;
+                     return i < n ? Q[B3_EH(i) * SSD_NS + m0 + x] : 0.0f;
+                 }),
+                 b3_in<false>([&](int s, int x, int kk) {
+                     const int i = B3_K * s + kk;
+                     return i < n ? DYE[i * B3_RS + x] : 0.0f;
+                 }),
+                 b3_none(), [&](int s) {
+                     const int k0 = B3_K * s;
+                     if (k0 + B3_K <= n)
+                         b3_full(acc, T);
+                     else
+                         b3_mma<false>(acc, T, T + B3_TILE,
+                                       [&](int kk, int) { return k0 + kk < n; });
+                 });
+        float *o = Sd + (c * H + h) * B3_PER;
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) o[(m0 + 4 * ti + r) * SSD_HP + 4 * tj + q] = acc[r][q];
+    }
+}
+
+/* Warp w of a block: chunk-head ch = blockIdx.x * B3_F0W + w (of NCH), if it folds:
+ * F0c[ch] = the one chain over (m, p) row-major of dh^T[m][p] * h^T[m][p] (dh leaving
+ * the chunk, h entering it). Rows m0 .. m0 + B3_F0M - 1 of both are staged per step,
+ * the next step's loads in flight while every lane runs the chain (lane 0 stores it). */
+MB_KERNEL void MB_BOUNDS(32 * B3_F0W)
+mb_m3b_f0_k(int64_t NCH, const int64_t *desc, int64_t H, const float *hck, const float *dhL,
+            float *F0c)
+{
+    __shared__ __align__(16) float sl[B3_F0W][B3_F0M][B3_LD], sh[B3_F0W][B3_F0M][B3_LD];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t ch = blockIdx.x * B3_F0W + w;
+    const bool on = ch < NCH && desc[(ch / H) * MB_DESC + 5] != 0;
+    const float *hp = hck + ch * B3_PER, *dl = dhL + ch * B3_PER;
+    constexpr int U = B3_F0M * SSD_HP / 32;
+    float rl[U], rh[U];
+    auto fetch = [&](int m0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int e = lane + 32 * u;
+            rl[u] = on ? dl[(m0 + e / SSD_HP) * SSD_HP + e % SSD_HP] : 0.0f;
+            rh[u] = on ? hp[(e / B3_F0M) * SSD_NS + m0 + e % B3_F0M] : 0.0f;
+        }
+    };
+    fetch(0);
+    float acc = 0.0f;
+    for (int m0 = 0; m0 < SSD_NS; m0 += B3_F0M) {
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int e = lane + 32 * u;
+            sl[w][e / SSD_HP][e % SSD_HP] = rl[u];
+            sh[w][e % B3_F0M][e / B3_F0M] = rh[u];
+        }
+        __syncthreads();
+        if (m0 + B3_F0M < SSD_NS) fetch(m0 + B3_F0M);
+        for (int m = 0; m < B3_F0M; m++)
+#pragma unroll
+            for (int p = 0; p < SSD_HP; p += 4) {
+                const float4 a = *reinterpret_cast<const float4 *>(&sl[w][m][p]);
+                const float4 b = *reinterpret_cast<const float4 *>(&sh[w][m][p]);
+                acc = fmaf(a.x, b.x, acc);
+                acc = fmaf(a.y, b.y, acc);
+                acc = fmaf(a.z, b.z, acc);
+                acc = fmaf(a.w, b.w, acc);
+            }
+    }
+    if (on && lane == 0) F0c[ch] = acc;
+}
+
+/* A thread's columns 4 tj..+3 (below 2 M3A) of a rotated gradient row d and the
+ * rotated row x: per pair a, l = d[2a+1] x[2a] - d[2a] x[2a+1] into th[a] (q's), or
+ * th[a] = th[a] + l (k's, add). */
+MB_DEV void b3_angle(const float (&d)[4], const float *x, float *th, bool add)
+{
+    const int tj = threadIdx.x % 16;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int a = 2 * tj + u;
+        const float l = d[2 * u + 1] * x[2 * a] - d[2 * u] * x[2 * a + 1];
+        th[a] = add ? th[a] + l : l;
     }
 }
 
 /* Block (chunk c, head h), B3_THREADS threads, B3_SMEM floats of dynamic shared
- * memory. dyg: the gradient of the gated output (M, di), dY = dyg * silu(z); dhL: dh
- * leaving the chunk (NS, HP; read only when the chunk folds). Writes dz and dv into
- * dzx's z and x columns, and per token and head dQKG, dQ (of q_rot), dK (of k_rot,
- * times the scale), dsc (of the scale) and dadt (of A*dt). */
-MB_KERNEL void MB_BOUNDS(B3_THREADS)
+ * memory. dyg: the gradient of the gated output (M, di); dhL: dh leaving the chunk
+ * (NS, HP) and F0c its chain with h (mb_m3b_f0_k), read only when the chunk folds.
+ * Writes dz and dv into dzx's z and x columns, and per token and head dQKG, dQ (of
+ * q_rot), dK (of k_rot, times the scale), dsc (of the scale), dadt (of A*dt) and
+ * per angle TH = lq + lk, lq = dq[2a+1] q[2a] - dq[2a] q[2a+1] with q, dq the rotated
+ * q and its gradient (likewise k). Two blocks per multiprocessor (128 registers): one
+ * alone leaves its barriers and loads unhidden. */
+MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2)
 mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q,
                const float *K, const float *V, const float *DT, const float *SIG,
                const float *ADT, const float *QKG, const float *hck, const float *dhL,
-               const float *D, const float *zx, const float *dyg, const float *dY, float *dzx,
-               float *dQKG, float *dQ, float *dK, float *dsc, float *dadt)
+               const float *F0c, const float *D, const float *zx, const float *dyg, float *dzx,
+               float *dQKG, float *dQ, float *dK, float *dsc, float *dadt, float *TH)
 {
     extern __shared__ float sm[];
     float *cs = sm, *ev = cs + M3Q, *sc = ev + M3Q, *dec = sc + M3Q, *av = dec + M3Q;
-    float *Fv = av + M3Q, *Rv = Fv + M3Q, *F0 = Rv + M3Q;
-    float *DY = sm + 8 * M3Q;       /* dy rows (M3Q, HP) */
-    float *X = DY + M3Q * SSD_HP;   /* Ys = q_rot . h (M3Q, HP), then dvd */
-    float *DG = X + M3Q * SSD_HP;   /* triangles: dG */
-    float *MM = DG + B3_NTRI;       /* (q_rot . ks^T) * Lm */
-    float *W = MM + B3_NTRI;        /* dseg, then its inclusive row prefix sums */
+    float *Fv = av + M3Q, *Rv = Fv + M3Q, *adt = Rv + M3Q;
+    float *DY = sm + 8 * M3Q;      /* dy (M3Q, B3_RS); then dvd, then halves of dks */
+    float *DG = DY + M3Q * B3_RS;  /* triangles: dG, G then Mm = G * Lm, dseg */
+    float *MM = DG + B3_NTRI, *W = MM + B3_NTRI, *YS = W;
+    float *T = W + B3_NTRI;        /* the staged tiles */
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], tok = d[4];
+    const int64_t e0 = d[1], tok = d[4];
+    const int n = (int)d[2], ni = (n + B3_K - 1) / B3_K, nj = (n - 1 + B3_K - 1) / B3_K;
     const bool fold = d[5] != 0;
-    const int tid = threadIdx.x;
-    const float *hp = hck + ch * B3_PER, *dl = dhL + ch * B3_PER;
+    const int tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
+    const float *hp = hck + ch * B3_PER, *dl = dhL + ch * B3_PER, Dh = D[h];
 
-    /* the row vectors; dy; Ys = q_rot . h */
-    b3_cumsum(ADT, e0, n, H, h, cs);
+    /* the row vectors (rows past n +0); dy */
+    if (tid < n) adt[tid] = ADT[B3_EH(tid)];
+    for (int x = tid; x < M3Q * SSD_HP; x += B3_THREADS) {
+        const int i = x / SSD_HP, p = x % SSD_HP;
+        DY[i * B3_RS + p] = i < n ? B3_DY(i, p) : 0.0f;
+    }
+    __syncthreads();
+    b3_cumsum(adt, n, cs);
     const float cl = cs[n - 1];
-    for (int64_t i = tid; i < n; i += B3_THREADS) {
-        ev[i] = mb_exp(cs[i]);
+    if (tid < M3Q) {
+        const int i = tid;
+        ev[i] = i < n ? mb_exp(cs[i]) : 0.0f;
         /* the last row's scale is only used by the fold (the next chunk's beta) */
-        sc[i] = i + 1 < n || fold ? m3_scale(DT, SIG, H, B3_EH(i), true) : 0.0f;
-        if (fold) dec[i] = mb_exp(cl - cs[i]);
-    }
-    for (int64_t x = tid; x < n * SSD_HP; x += B3_THREADS) {
-        const int64_t i = x / SSD_HP, p = x % SSD_HP;
-        DY[x] = dY[(tok + i) * di + h * SSD_HP + p];
-        const float *q = Q + B3_EH(i) * SSD_NS, *hr = hp + p * SSD_NS;
-        float ys = 0.0f;
-        for (int m = 0; m < SSD_NS; m++) ys = fmaf(q[m], hr[m], ys);
-        X[x] = ys;
+        sc[i] = i + 1 < n || (i + 1 == n && fold) ? m3_scale(DT, SIG, H, B3_EH(i), true) : 0.0f;
+        dec[i] = fold && i < n ? mb_exp(cl - cs[i]) : 0.0f;
     }
     __syncthreads();
 
-    /* dqk_gamma = dy . v; a_i = (dy . Ys) * exp(cs_i); per pair j < i: G, Lm, dP = dy_i . v_j,
-     * dseg = (dP * G) * Lm, dG = dP * Lm, Mm = G * Lm */
-    for (int64_t i = tid; i < n; i += B3_THREADS) {
-        const float *v = V + B3_EH(i) * SSD_HP, *dy = DY + i * SSD_HP, *ys = X + i * SSD_HP;
-        float a = 0.0f, b = 0.0f;
-        for (int p = 0; p < SSD_HP; p++) a = fmaf(dy[p], v[p], a);
-        for (int p = 0; p < SSD_HP; p++) b = fmaf(dy[p], ys[p], b);
-        dQKG[(tok + i) * H + h] = a;
-        av[i] = b * ev[i];
+    /* G = q_rot . ks^T and Ys = q_rot . h over m */
+    float ga[4][4] = {}, ya[4][4] = {};
+    b3_steps(SSD_NS / B3_K, T, b3_in<true>([&](int s, int x, int kk) {
+                 return x < n ? Q[B3_EH(x) * SSD_NS + B3_K * s + kk] : 0.0f;
+             }),
+             b3_in<true>([&](int s, int x, int kk) {
+                 return x < n ? K[B3_EH(x) * SSD_NS + B3_K * s + kk] * sc[x] : 0.0f;
+             }),
+             b3_in<true>([&](int s, int x, int kk) { return hp[x * SSD_NS + B3_K * s + kk]; }),
+             [&](int) {
+                 b3_full(ga, T);
+                 b3_mma<false>(ya, T, T + 2 * B3_TILE, b3_every());
+             });
+    /* G into Mm's triangle; a_i = (dy . Ys) * exp(cs_i), Ys parked in dseg's triangle
+     * and the tiles (free until the next step) */
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int i = 4 * ti + r, j = 4 * tj + q;
+            if (j < i && i < n) MM[B3_TRI(i, j)] = ga[r][q];
+            YS[i * B3_RS + j] = ya[r][q];
+        }
+    __syncthreads();
+    if (tid < n) {
+        float b = 0.0f;
+        for (int p = 0; p < SSD_HP; p++) b = fmaf(DY[tid * B3_RS + p], YS[tid * B3_RS + p], b);
+        av[tid] = b * ev[tid];
     }
-    for (int64_t x = tid; x < n * n; x += B3_THREADS) {
-        const int64_t i = x / n, j = x % n;
-        if (j >= i) continue;
-        const float *q = Q + B3_EH(i) * SSD_NS, *k = K + B3_EH(j) * SSD_NS;
-        const float *v = V + B3_EH(j) * SSD_HP, *dy = DY + i * SSD_HP, s = sc[j];
-        float g = 0.0f;
-        for (int m = 0; m < SSD_NS; m++) g = fmaf(q[m], k[m] * s, g);
-        float seg = 0.0f;
-        for (int64_t u = j + 1; u <= i; u++) seg = seg + ADT[B3_EH(u)];
-        const float lm = mb_exp(seg);
-        float dp = 0.0f;
-        for (int p = 0; p < SSD_HP; p++) dp = fmaf(dy[p], v[p], dp);
-        W[B3_TRI(i, j)] = (dp * g) * lm;
-        DG[B3_TRI(i, j)] = dp * lm;
-        MM[B3_TRI(i, j)] = g * lm;
+
+    /* dP = dy . v^T over p (its diagonal is dqk_gamma = dy . v) */
+    float pa[4][4] = {};
+    b3_steps(SSD_HP / B3_K, T, b3_in<true>([&](int s, int x, int kk) {
+                 return DY[x * B3_RS + B3_K * s + kk];
+             }),
+             b3_in<true>([&](int s, int x, int kk) {
+                 return x < n ? V[B3_EH(x) * SSD_HP + B3_K * s + kk] : 0.0f;
+             }),
+             b3_none(), [&](int) { b3_full(pa, T); });
+    if (ti == tj)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (4 * ti + r < n) dQKG[(tok + 4 * ti + r) * H + h] = pa[r][r];
+    /* seg_ij = the serial sum of A*dt over j < u <= i (down column j); then per pair
+     * Lm = exp(seg), dseg = (dP * G) * Lm, dG = dP * Lm, Mm = G * Lm */
+    if (tid < n) {
+        float s = 0.0f;
+        for (int i = tid + 1; i < n; i++) {
+            s = s + adt[i];
+            W[B3_TRI(i, tid)] = s;
+        }
     }
     __syncthreads();
-
-    /* dq_rot_i = (dye_i . h) + sum_{j<i} dG_ij ks_j; the output before the gate,
-     * ypre = (Ys * exp(cs) + Mm . v) + (D + qk_gamma) * v, and dz = (dg * ypre) * silu'(z);
-     * F0 = dot(dh^T, h^T) * exp(cs_last); the inclusive row prefix sums of dseg */
-    for (int64_t x = tid; x < n * SSD_NS; x += B3_THREADS) {
-        const int64_t i = x / SSD_NS, m = x % SSD_NS;
-        const float *dy = DY + i * SSD_HP, e = ev[i];
-        float t1 = 0.0f;
-        for (int p = 0; p < SSD_HP; p++) t1 = fmaf(dy[p] * e, hp[p * SSD_NS + m], t1);
-        float t2 = 0.0f;
-        for (int64_t j = 0; j < i; j++)
-            t2 = fmaf(DG[B3_TRI(i, j)], K[B3_EH(j) * SSD_NS + m] * sc[j], t2);
-        dQ[((tok + i) * H + h) * SSD_NS + m] = t1 + t2;
-    }
-    const float Dh = D[h];
-    for (int64_t x = tid; x < n * SSD_HP; x += B3_THREADS) {
-        const int64_t i = x / SSD_HP, p = x % SSD_HP, o = (tok + i) * dip + h * SSD_HP + p;
-        float yi = 0.0f;
-        for (int64_t u = 0; u < i; u++) yi = fmaf(MM[B3_TRI(i, u)], V[B3_EH(u) * SSD_HP + p], yi);
-        float y = X[x] * ev[i] + yi;
-        y = y + (Dh + QKG[B3_EH(i)]) * V[B3_EH(i) * SSD_HP + p];
-        dzx[o] = (dyg[(tok + i) * di + h * SSD_HP + p] * y) * mb_dsilu(zx[o]);
-    }
-    if (fold && tid == B3_THREADS - 1) {
-        /* one chain over (m, p) row-major */
-        float acc = 0.0f;
-        for (int m = 0; m < SSD_NS; m++)
-            for (int p = 0; p < SSD_HP; p++) acc = fmaf(dl[m * SSD_HP + p], hp[p * SSD_NS + m], acc);
-        *F0 = acc * mb_exp(cl);
-    }
-    for (int64_t i = tid; i < n; i += B3_THREADS)
-        for (int64_t j = 1; j < i; j++) W[B3_TRI(i, j)] = W[B3_TRI(i, j - 1)] + W[B3_TRI(i, j)];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int i = 4 * ti + r, j = 4 * tj + q, o = B3_TRI(i, j);
+            if (j < i && i < n) {
+                const float lm = mb_exp(W[o]), dp = pa[r][q], g = MM[o];
+                W[o] = (dp * g) * lm;
+                DG[o] = dp * lm;
+                MM[o] = g * lm;
+            }
+        }
     __syncthreads();
+    /* dseg's inclusive row prefix sums */
+    if (tid < n)
+        for (int j = 1; j < tid; j++) W[B3_TRI(tid, j)] = W[B3_TRI(tid, j - 1)] + W[B3_TRI(tid, j)];
 
-    /* the fold's dvd_j = ks_j . dh, over Ys (read above) */
+    /* the output before the gate, ypre = (Ys * exp(cs) + Mm . v) + (D + qk_gamma) * v,
+     * and dz = (dg * ypre) * silu'(z); Mm . v over u < i ascending */
+    float yi[4][4] = {};
+    b3_steps(nj, T, b3_in<true>([&](int s, int x, int kk) {
+                 const int u = B3_K * s + kk;
+                 return u < x && x < n ? MM[B3_TRI(x, u)] : 0.0f;
+             }),
+             b3_in<false>([&](int s, int x, int kk) {
+                 const int u = B3_K * s + kk;
+                 return u < n ? V[B3_EH(u) * SSD_HP + x] : 0.0f;
+             }),
+             b3_none(), [&](int s) { b3_below(yi, T, B3_K * s); });
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int i = 4 * ti + r;
+        if (i >= n) continue;
+        const float g = Dh + QKG[B3_EH(i)];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int p = 4 * tj + q;
+            const int64_t o = (tok + i) * dip + h * SSD_HP + p;
+            float y = ya[r][q] * ev[i] + yi[r][q];
+            y = y + g * V[B3_EH(i) * SSD_HP + p];
+            dzx[o] = (dyg[(tok + i) * di + h * SSD_HP + p] * y) * mb_dsilu(zx[o]);
+        }
+    }
+
+    /* R_l = sum_{i>=l} of row i's prefix up to l - 1 (i ascending) */
+    __syncthreads();
+    if (tid < n) {
+        float r = 0.0f;
+        if (tid > 0)
+            for (int i = tid; i < n; i++) r = r + W[B3_TRI(i, tid - 1)];
+        Rv[tid] = r;
+    }
+
+    /* dq_rot_i = (dye_i . h) + sum_{j<i} dG_ij ks_j, per half of m */
+    for (int m0 = 0; m0 < SSD_NS; m0 += M3Q) {
+        float t1[4][4] = {}, t2[4][4] = {};
+        b3_steps(SSD_HP / B3_K, T, b3_in<false>([&](int s, int x, int kk) {
+                     return DY[x * B3_RS + B3_K * s + kk] * ev[x];
+                 }),
+                 b3_in<false>([&](int s, int x, int kk) {
+                     return hp[(B3_K * s + kk) * SSD_NS + m0 + x];
+                 }),
+                 b3_none(), [&](int) { b3_full(t1, T); });
+        b3_steps(nj, T, b3_in<true>([&](int s, int x, int kk) {
+                     const int j = B3_K * s + kk;
+                     return j < x && x < n ? DG[B3_TRI(x, j)] : 0.0f;
+                 }),
+                 b3_in<false>([&](int s, int x, int kk) {
+                     const int j = B3_K * s + kk;
+                     return j < n ? K[B3_EH(j) * SSD_NS + m0 + x] * sc[j] : 0.0f;
+                 }),
+                 b3_none(), [&](int s) { b3_below(t2, T, B3_K * s); });
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = 4 * ti + r;
+            if (i >= n) continue;
+            float *o = dQ + B3_EH(i) * SSD_NS + m0 + 4 * tj, d[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) o[q] = d[q] = t1[r][q] + t2[r][q];
+            if (m0 == 0) b3_angle(d, Q + B3_EH(i) * SSD_NS, TH + B3_EH(i) * M3A, false);
+        }
+    }
+
+    /* the fold's dvd_j = ks_j . dh over m */
+    float dv[4][4] = {};
+    if (fold)
+        b3_steps(SSD_NS / B3_K, T, b3_in<true>([&](int s, int x, int kk) {
+                     return x < n ? K[B3_EH(x) * SSD_NS + B3_K * s + kk] * sc[x] : 0.0f;
+                 }),
+                 b3_in<false>([&](int s, int x, int kk) {
+                     return dl[(B3_K * s + kk) * SSD_HP + x];
+                 }),
+                 b3_none(), [&](int) { b3_full(dv, T); });
+
+    /* dv_j = ((sum_{i>j} Mm_ij dy_i, i descending) + (D + qk_gamma_j) dy_j) + dvd_j dec_j */
+    float tv[4][4] = {};
+    b3_steps(ni, T, b3_in<false>([&](int s, int x, int kk) {
+                 const int i = B3_K * (ni - 1 - s) + kk;
+                 return x < i && i < n ? MM[B3_TRI(i, x)] : 0.0f;
+             }),
+             b3_in<false>([&](int s, int x, int kk) {
+                 return DY[(B3_K * (ni - 1 - s) + kk) * B3_RS + x];
+             }),
+             b3_none(), [&](int s) { b3_above(tv, T, B3_K * (ni - 1 - s), n); });
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int j = 4 * ti + r;
+        if (j >= n) continue;
+        const float g = Dh + QKG[B3_EH(j)];
+        float *o = dzx + (tok + j) * dip + di + h * SSD_HP + 4 * tj;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float t = tv[r][q] + g * DY[j * B3_RS + 4 * tj + q];
+            if (fold) t = t + dv[r][q] * dec[j];
+            o[q] = t;
+        }
+    }
+    /* F_j = dot(dvd_j, v_j) * dec_j, dvd in dy's space */
+    __syncthreads();
     if (fold) {
-        for (int64_t x = tid; x < n * SSD_HP; x += B3_THREADS) {
-            const int64_t j = x / SSD_HP, p = x % SSD_HP;
-            const float *k = K + B3_EH(j) * SSD_NS, s = sc[j];
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) DY[(4 * ti + r) * B3_RS + 4 * tj + q] = dv[r][q];
+        __syncthreads();
+        if (tid < n) {
+            const float *v = V + B3_EH(tid) * SSD_HP;
             float acc = 0.0f;
-            for (int m = 0; m < SSD_NS; m++) acc = fmaf(k[m] * s, dl[m * SSD_HP + p], acc);
-            X[x] = acc;
+            for (int p = 0; p < SSD_HP; p++) acc = fmaf(DY[tid * B3_RS + p], v[p], acc);
+            Fv[tid] = acc * dec[tid];
+        }
+    }
+
+    /* per half of m: dks_j = (sum_{i>j} dG_ij q_rot_i, i descending) + vd_j . dh;
+     * dk_rot = dks * scale; dsc_j = dks_j . k_rot_j continues over the halves */
+    float dsa = 0.0f;
+    for (int m0 = 0; m0 < SSD_NS; m0 += M3Q) {
+        float tk[4][4] = {}, fk[4][4] = {};
+        b3_steps(ni, T, b3_in<false>([&](int s, int x, int kk) {
+                     const int i = B3_K * (ni - 1 - s) + kk;
+                     return x < i && i < n ? DG[B3_TRI(i, x)] : 0.0f;
+                 }),
+                 b3_in<false>([&](int s, int x, int kk) {
+                     const int i = B3_K * (ni - 1 - s) + kk;
+                     return i < n ? Q[B3_EH(i) * SSD_NS + m0 + x] : 0.0f;
+                 }),
+                 b3_none(), [&](int s) { b3_above(tk, T, B3_K * (ni - 1 - s), n); });
+        if (fold)
+            b3_steps(SSD_HP / B3_K, T, b3_in<true>([&](int s, int x, int kk) {
+                         return x < n ? V[B3_EH(x) * SSD_HP + B3_K * s + kk] * dec[x] : 0.0f;
+                     }),
+                     b3_in<true>([&](int s, int x, int kk) {
+                         return dl[(m0 + x) * SSD_HP + B3_K * s + kk];
+                     }),
+                     b3_none(), [&](int) { b3_full(fk, T); });
+        __syncthreads(); /* every read of dy's space (F, the previous half) done */
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int j = 4 * ti + r;
+            float d[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                float t = tk[r][q];
+                if (fold) t = t + fk[r][q];
+                DY[j * B3_RS + 4 * tj + q] = t;
+                d[q] = t * sc[j];
+                if (j < n) dK[B3_EH(j) * SSD_NS + m0 + 4 * tj + q] = d[q];
+            }
+            if (j < n && m0 == 0) b3_angle(d, K + B3_EH(j) * SSD_NS, TH + B3_EH(j) * M3A, true);
         }
         __syncthreads();
-    }
-
-    /* dks_j = sum_{i>j} dG_ij q_rot_i (i descending) + vd_j . dh; dv_j; F_j */
-    for (int64_t x = tid; x < n * SSD_NS; x += B3_THREADS) {
-        const int64_t j = x / SSD_NS, m = x % SSD_NS;
-        float t = 0.0f;
-        for (int64_t i = n - 1; i > j; i--) t = fmaf(DG[B3_TRI(i, j)], Q[B3_EH(i) * SSD_NS + m], t);
-        if (fold) {
-            const float *v = V + B3_EH(j) * SSD_HP, e = dec[j];
-            float f = 0.0f;
-            for (int p = 0; p < SSD_HP; p++) f = fmaf(v[p] * e, dl[m * SSD_HP + p], f);
-            t = t + f;
+        if (tid < n) {
+            const float *k = K + B3_EH(tid) * SSD_NS + m0;
+            for (int m = 0; m < M3Q; m++) dsa = fmaf(DY[tid * B3_RS + m], k[m], dsa);
         }
-        dK[((tok + j) * H + h) * SSD_NS + m] = t;
     }
-    for (int64_t x = tid; x < n * SSD_HP; x += B3_THREADS) {
-        const int64_t j = x / SSD_HP, p = x % SSD_HP;
-        float t = 0.0f;
-        for (int64_t i = n - 1; i > j; i--) t = fmaf(MM[B3_TRI(i, j)], DY[i * SSD_HP + p], t);
-        float dv = t + (Dh + QKG[B3_EH(j)]) * DY[x];
-        if (fold) dv = dv + X[x] * dec[j];
-        dzx[(tok + j) * dip + di + h * SSD_HP + p] = dv;
-    }
-    if (fold)
-        for (int64_t j = tid; j < n; j += B3_THREADS) {
-            const float *v = V + B3_EH(j) * SSD_HP, *dvd = X + j * SSD_HP;
-            float acc = 0.0f;
-            for (int p = 0; p < SSD_HP; p++) acc = fmaf(dvd[p], v[p], acc);
-            Fv[j] = acc * dec[j];
-        }
-    __syncthreads();
+    if (tid < n) dsc[(tok + tid) * H + h] = dsa;
 
-    /* dsc_j = dks_j . k_rot_j; R_l = sum_{i>=l} of row i's prefix up to l - 1 (i ascending) */
-    for (int64_t j = tid; j < n; j += B3_THREADS) {
-        const float *dk = dK + ((tok + j) * H + h) * SSD_NS, *k = K + B3_EH(j) * SSD_NS;
-        float acc = 0.0f;
-        for (int m = 0; m < SSD_NS; m++) acc = fmaf(dk[m], k[m], acc);
-        dsc[(tok + j) * H + h] = acc;
-        float r = 0.0f;
-        if (j > 0)
-            for (int64_t i = j; i < n; i++) r = r + W[B3_TRI(i, j - 1)];
-        Rv[j] = r;
-    }
+    /* dadt_l = ((sum_{i>=l} a_i + R_l) + F0) + sum_{j<l} F_j */
     __syncthreads();
-
-    /* dk_rot = dks * scale; dadt_l = ((sum_{i>=l} a_i + R_l) + F0) + sum_{j<l} F_j */
-    for (int64_t x = tid; x < n * SSD_NS; x += B3_THREADS) {
-        float *o = dK + ((tok + x / SSD_NS) * H + h) * SSD_NS + x % SSD_NS;
-        *o = *o * sc[x / SSD_NS];
-    }
     if (tid == 0) {
         float sa = 0.0f;
-        for (int64_t l = n - 1; l >= 0; l--) {
+        for (int l = n - 1; l >= 0; l--) {
             sa = sa + av[l];
             Rv[l] = sa + Rv[l];
         }
+        const float F0 = fold ? F0c[ch] * mb_exp(cl) : 0.0f;
         float pf = 0.0f;
-        for (int64_t l = 0; l < n; l++) {
+        for (int l = 0; l < n; l++) {
             float v = Rv[l];
             if (fold) {
-                v = v + *F0;
+                v = v + F0;
                 if (l > 0) {
                     pf = pf + Fv[l - 1];
                     v = v + pf;
@@ -268,91 +618,104 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
     }
 }
 
-/* One thread per (row b of L tokens, head h, angle a), tokens in reverse:
- * Th_t = Th_{t+1} + (lq + lk) from +0, lq = dq[2a+1] q[2a] - dq[2a] q[2a+1] with q, dq
- * the rotated q and its gradient (likewise k), into TH (M, H, M3A). */
-MB_KERNEL void mb_m3b_theta_k(int64_t B, int64_t L, int64_t H, const float *Q, const float *K,
-                              const float *dQ, const float *dK, float *TH)
+/* One thread per (row b of L tokens, head h, angle a), tokens in reverse: TH (M, H,
+ * M3A) holds each token's lq + lk (mb_m3b_chunk_k) and becomes Th_t = Th_{t+1} +
+ * (lq + lk) from +0, B3_AHEAD tokens loaded ahead of the chain. */
+MB_KERNEL void mb_m3b_theta_k(int64_t B, int64_t L, int64_t H, float *TH)
 {
     MB_GRID_LOOP(i, B * H * M3A) {
         const int64_t b = i / (H * M3A), h = (i / M3A) % H, a = i % M3A;
+        float *o = TH + (b * L * H + h) * M3A + a; /* token t at o[t * H * M3A] */
         float th = 0.0f;
-        for (int64_t t = L - 1; t >= 0; t--) {
-            const int64_t e = (b * L + t) * H + h;
-            const float *q = Q + e * SSD_NS, *k = K + e * SSD_NS;
-            const float *dq = dQ + e * SSD_NS, *dk = dK + e * SSD_NS;
-            const float lq = dq[2 * a + 1] * q[2 * a] - dq[2 * a] * q[2 * a + 1];
-            const float lk = dk[2 * a + 1] * k[2 * a] - dk[2 * a] * k[2 * a + 1];
-            th = th + (lq + lk);
-            TH[e * M3A + a] = th;
+        for (int64_t t0 = L - 1; t0 >= 0; t0 -= B3_AHEAD) {
+            float l[B3_AHEAD];
+#pragma unroll
+            for (int u = 0; u < B3_AHEAD; u++) l[u] = t0 - u >= 0 ? o[(t0 - u) * H * M3A] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < B3_AHEAD; u++)
+                if (t0 - u >= 0) {
+                    th = th + l[u];
+                    o[(t0 - u) * H * M3A] = th;
+                }
         }
     }
 }
 
-/* Block per (token m of a row of L, head h), SSD_NS threads (one per dimension).
- * dQ, dK hold the rotated gradients on entry and the unrotated, biased q and k
- * gradients on return: R(theta)^T d + (dqk_gamma * gamma) * (k or q). Thread 0: dt,
- * trap and dd_A's gradients into dzx; threads < M3A: TH * dt into dTA. rot: cos and
- * sin per (token, head, angle). */
-MB_KERNEL void MB_BOUNDS(SSD_NS)
-mb_m3b_token_k(int64_t M, int64_t L, int64_t H, int64_t di, int64_t dip, const float *zx,
-               const float *Bn, const float *Cn, const float *B_bias, const float *C_bias,
-               const float *dt_bias, const float *DT, const float *SIG, const float *TA,
-               const float *rot, const float *TH, const float *dQKG, const float *dsc,
-               const float *dadt, float *dQ, float *dK, float *dTA, float *dzx)
+/* One thread per (token m of a row of L, head h): the gradients of dd_dt, trap and
+ * dd_A into dzx. gamma_t = dt sig feeds scale_t and qk_gamma; beta_{t-1} = dt (1 - sig).
+ * TH: the angle gradient (mb_m3b_theta_k). BT, CT: B_bias and C_bias transposed (NS,
+ * H), so that a warp's heads read one row. */
+MB_KERNEL void mb_m3b_token_k(int64_t M, int64_t L, int64_t H, int64_t di, int64_t dip,
+                              const float *zx, const float *Bn, const float *Cn,
+                              const float *BT, const float *CT, const float *dt_bias,
+                              const float *DT, const float *SIG, const float *TA, const float *TH,
+                              const float *dQKG, const float *dsc, const float *dadt, float *dzx)
 {
     const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H;
-    const int i = threadIdx.x;
-    for (int64_t mh = blockIdx.x; mh < M * H; mh += gridDim.x) {
+    MB_GRID_LOOP(mh, M * H) {
         const int64_t m = mh / H, h = mh % H;
-        float *dq = dQ + mh * SSD_NS, *dk = dK + mh * SSD_NS;
-        const float qb = Cn[m * SSD_NS + i] + C_bias[h * SSD_NS + i];
-        const float kb = Bn[m * SSD_NS + i] + B_bias[h * SSD_NS + i];
-        const float dt = DT[mh], sig = SIG[mh], dqkg = dQKG[mh], dacc = dqkg * (dt * sig);
-        float oq = dq[i], ok = dk[i];
-        if (i < 2 * M3A) {
-            const int a = i / 2;
-            const float cs = rot[(mh * M3A + a) * 2], sn = rot[(mh * M3A + a) * 2 + 1];
-            const float q0 = dq[2 * a], q1 = dq[2 * a + 1], k0 = dk[2 * a], k1 = dk[2 * a + 1];
-            oq = i % 2 == 0 ? q0 * cs + q1 * sn : q1 * cs - q0 * sn;
-            ok = i % 2 == 0 ? k0 * cs + k1 * sn : k1 * cs - k0 * sn;
+        const float dt = DT[mh], sig = SIG[mh];
+        const float *c = Cn + m * SSD_NS, *k = Bn + m * SSD_NS;
+        float acc = 0.0f;
+        for (int j = 0; j < SSD_NS; j++) acc = fmaf(c[j] + CT[j * H + h], k[j] + BT[j * H + h], acc);
+        const float dgam = dsc[mh] + dQKG[mh] * acc, da = dadt[mh];
+        const float *zr = zx + m * dip;
+        const float x = zr[oA + h], Araw = m3_heavy_tail(x);
+        const float A = Araw > -1e-4f ? -1e-4f : Araw;
+        float ddt = dgam * sig, dsig = dgam * dt;
+        if (m % L > 0) {
+            ddt = ddt + dsc[mh - H] * (1.0f - sig);
+            dsig = dsig - dsc[mh - H] * dt;
         }
-        __syncthreads(); /* every read of the pair before any write */
-        dq[i] = oq + dacc * kb;
-        dk[i] = ok + dacc * qb;
-        if (i < M3A) dTA[mh * M3A + i] = TH[mh * M3A + i] * dt;
-        if (i == 0) {
-            /* gamma_t = dt sig feeds scale_t and qk_gamma; beta_{t-1} = dt (1 - sig) */
-            const float *c = Cn + m * SSD_NS, *k = Bn + m * SSD_NS;
-            const float *cb = C_bias + h * SSD_NS, *kbh = B_bias + h * SSD_NS;
-            float acc = 0.0f;
-            for (int j = 0; j < SSD_NS; j++) acc = fmaf(c[j] + cb[j], k[j] + kbh[j], acc);
-            const float dgam = dsc[mh] + dqkg * acc, da = dadt[mh];
-            const float *zr = zx + m * dip;
-            const float x = zr[oA + h], Araw = m3_heavy_tail(x);
-            const float A = Araw > -1e-4f ? -1e-4f : Araw;
-            float ddt = dgam * sig, dsig = dgam * dt;
-            if (m % L > 0) {
-                ddt = ddt + dsc[mh - H] * (1.0f - sig);
-                dsig = dsig - dsc[mh - H] * dt;
-            }
-            ddt = ddt + A * da;
-            float tt = 0.0f;
-            for (int a = 0; a < M3A; a++) tt = fmaf(TH[mh * M3A + a], TA[m * M3A + a], tt);
-            ddt = ddt + tt;
-            float *dz = dzx + m * dip;
-            const float u = zr[oDT + h] + dt_bias[h];
-            dz[oDT + h] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
-            dz[oTR + h] = (dsig * sig) * (1.0f - sig);
-            /* A = -(x >= 0 ? 1 + x : 1 / (1 - x)), floored: no gradient where the floor binds */
-            const float dA = da * dt;
-            float dx = 0.0f;
-            if (!(Araw > -1e-4f)) {
-                const float f = 1.0f / (1.0f - x);
-                dx = x >= 0.0f ? -dA : -(dA * (f * f));
-            }
-            dz[oA + h] = dx;
+        ddt = ddt + A * da;
+        float tt = 0.0f;
+        for (int a = 0; a < M3A; a++) tt = fmaf(TH[mh * M3A + a], TA[m * M3A + a], tt);
+        ddt = ddt + tt;
+        float *dz = dzx + m * dip;
+        const float u = zr[oDT + h] + dt_bias[h];
+        dz[oDT + h] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
+        dz[oTR + h] = (dsig * sig) * (1.0f - sig);
+        /* A = -(x >= 0 ? 1 + x : 1 / (1 - x)), floored: no gradient where the floor binds */
+        const float dA = da * dt;
+        float dx = 0.0f;
+        if (!(Araw > -1e-4f)) {
+            const float f = 1.0f / (1.0f - x);
+            dx = x >= 0.0f ? -dA : -(dA * (f * f));
         }
+        dz[oA + h] = dx;
+    }
+}
+
+/* One thread per (token m, head h, pair a of dimensions 2a, 2a + 1), after
+ * mb_m3b_token_k: dQ, dK hold the rotated gradients on entry and the unrotated,
+ * biased q and k gradients on return, R(theta)^T d + (dqk_gamma * gamma) * (k or q),
+ * at the angles ANG; TH becomes the per-head angle term TH * dt. */
+MB_KERNEL void mb_m3b_unrot_k(int64_t M, int64_t H, const float *Bn, const float *Cn,
+                              const float *B_bias, const float *C_bias, const float *DT,
+                              const float *SIG, const float *ANG, const float *dQKG, float *TH,
+                              float *dQ, float *dK)
+{
+    MB_GRID_LOOP(i, M * H * (SSD_NS / 2)) {
+        const int64_t mh = i / (SSD_NS / 2), m = mh / H, h = mh % H, a = i % (SSD_NS / 2);
+        const float dt = DT[mh], dacc = dQKG[mh] * (dt * SIG[mh]);
+        float *dq = dQ + mh * SSD_NS + 2 * a, *dk = dK + mh * SSD_NS + 2 * a;
+        const float q0 = dq[0], q1 = dq[1], k0 = dk[0], k1 = dk[1];
+        float oq0 = q0, oq1 = q1, ok0 = k0, ok1 = k1;
+        if (a < M3A) {
+            const int64_t e = mh * M3A + a;
+            const float th = ANG[e], cs = mb_cos(th), sn = mb_sin(th);
+            oq0 = q0 * cs + q1 * sn;
+            oq1 = q1 * cs - q0 * sn;
+            ok0 = k0 * cs + k1 * sn;
+            ok1 = k1 * cs - k0 * sn;
+            TH[e] = TH[e] * dt;
+        }
+        const float *c = Cn + m * SSD_NS + 2 * a, *k = Bn + m * SSD_NS + 2 * a;
+        const float *cb = C_bias + h * SSD_NS + 2 * a, *kb = B_bias + h * SSD_NS + 2 * a;
+        dq[0] = oq0 + dacc * (k[0] + kb[0]);
+        dq[1] = oq1 + dacc * (k[1] + kb[1]);
+        dk[0] = ok0 + dacc * (c[0] + cb[0]);
+        dk[1] = ok1 + dacc * (c[1] + cb[1]);
     }
 }
 
@@ -386,4 +749,12 @@ MB_KERNEL void mb_m3b_heads_k(int64_t M, int64_t H, int64_t dip, int64_t oANG, c
 #undef B3_SMEM
 #undef B3_NTRI
 #undef B3_TRI
+#undef B3_K
+#undef B3_LD
+#undef B3_TILE
+#undef B3_RS
+#undef B3_AHEAD
+#undef B3_F0W
+#undef B3_F0M
 #undef B3_EH
+#undef B3_DY
