@@ -89,7 +89,8 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
  * serial over the row's chunks [cbeg[b], cbeg[b + 1]) in reverse: the last chunk
  * passes its own Sd back, every earlier chunk c receives it as dh[c] and passes
  * fma(E[c], dh[c], Sd[c]) on (not formed for the row's first chunk, which has no
- * predecessor). One thread per element; loads run ahead as in mb_ssd_chain_k. */
+ * predecessor). One thread per element; loads run ahead as in mb_ssd_chain_k, and
+ * dh may be Sd itself (each element is read before it is written). */
 MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
                                const float *Sd, float *dh)
 {
