@@ -92,7 +92,8 @@ class Back2Mixin:
                 # the SSD: each chunk's own part, the dh chain, the parts that read dh
                 du, ddA, dts = f(M * CD), f(M * H), f(M * H)
                 with scope() as t:
-                    dcs, sacc, Sd, dh = t(NC * H * Q), t(NC * H * Q), t(NC * H * per), t(NC * H * per)
+                    dcs, sacc = t(NC * H * Q), t(NC * H * Q)
+                    Sd = dh = t(NC * H * per)  # the dh chain reads each S' before writing dh
                     self._launch(s, "mb_m2b_row_k", (H, NC), Q, I["desc"], H, di, CD, U, G, dt, dA,
                                  dY, sacc, du)
                     self._launch(s, "mb_m2b_off_k", (H, NC), FOLD_THREADS, I["desc"], nk, H, di,

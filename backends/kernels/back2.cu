@@ -36,6 +36,7 @@
 #define BT 32             /* rows per tile: row, off (= SSD_FJ), dgs, bc */
 #define CT 16             /* rows per tile: col */
 #define COL_THREADS 256   /* col: SSD_NS threads m, then SSD_HP x 2 threads (p, parity) */
+#define QM (SSD_NS / (BQ / CT)) /* col: dh rows of q's chain per tile of a whole chunk */
 
 MB_DEV float4 b2_ld4(const float *p) { return *reinterpret_cast<const float4 *>(p); }
 
@@ -115,7 +116,8 @@ MB_KERNEL void mb_m2b_gate_k(int64_t M, int64_t di, const float *Y, const float 
 /* Block (head h, chunk c), BQ threads. Thread j owns column j of the causal triangle
  * and walks its rows i >= j down, in tiles of BT rows: seg[i][j] (the serial sum of
  * dA[j+1..i] from +0, carried down the column one term a row), Lm = exp(seg), M = G
- * Lm, dM = dot_p(dY_i, Xd_j) (Xd_j in registers), dseg = (dM G) Lm, and dXd_j's
+ * Lm (G staged a tile at a time where dseg then goes), dM = dot_p(dY_i, Xd_j) (Xd_j
+ * in registers), dseg = (dM G) Lm, and dXd_j's
  * chain over the rows, M[i][j] dY_i from +0 (in registers). Per tile, a thread per
  * row then turns the row's dseg into its prefix sums in place, and thread j adds
  * the prefix below j of each of the tile's rows i >= j to sacc[j]. dXd goes to du's
@@ -137,20 +139,19 @@ mb_m2b_row_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
         dAs[j] = dA[ch * BQ + j];
         b2_xd(U + (e0 + j) * CD + h * SSD_HP, dt[ch * BQ + j], xd);
     }
-    const float *gj = G + c * BQ * BQ + j;
+    const float *g0 = G + c * BQ * BQ;
     float seg = 0.0f, sa = 0.0f;
     for (int64_t i0 = 0; i0 < n; i0 += BT) {
         const int nr = n - i0 < BT ? (int)(n - i0) : BT;
         const int r0 = j > i0 ? (int)(j - i0) : 0; /* the tile's rows i >= j: [r0, nr) */
         __syncthreads(); /* dAs is written; the previous tile's dys and ds are consumed */
-        for (int e = j; e < nr * SSD_HP; e += BQ)
+        for (int e = threadIdx.x; e < nr * SSD_HP; e += BQ)
             dys[e / SSD_HP][e % SSD_HP] = dY[(tok + i0 + e / SSD_HP) * di + h * SSD_HP + e % SSD_HP];
+        for (int r = 0; r < nr; r++) ds[r][threadIdx.x] = g0[(i0 + r) * BQ + threadIdx.x];
         __syncthreads();
-        float gn = r0 < nr ? gj[(i0 + r0) * BQ] : 0.0f;
         for (int r = r0; r < nr; r++) {
             const int64_t i = i0 + r;
-            const float g = gn;
-            if (r + 1 < nr) gn = gj[(i + 1) * BQ]; /* the next row's G in flight */
+            const float g = ds[r][j]; /* G, staged; dseg replaces it */
             seg = i == j ? 0.0f : seg + dAs[i];
             const float lm = mb_exp(seg), m = g * lm;
             float dm = 0.0f;
@@ -171,6 +172,7 @@ mb_m2b_row_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
         __syncthreads();
         if (j < nr) { /* row i0 + j: ds[j][u] becomes the serial sum of its dseg[0..u] */
             float pre = 0.0f;
+#pragma unroll 8
             for (int64_t u = 0; u < i0 + j; u++) {
                 pre = pre + ds[j][u];
                 ds[j][u] = pre;
@@ -178,6 +180,7 @@ mb_m2b_row_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
         }
         __syncthreads();
         if (j > 0) /* seg[i][u] holds dA[u+1..i]: dA[j] gets the prefix of row i below j */
+#pragma unroll 8
             for (int r = r0; r < nr; r++) sa = sa + ds[r][j - 1];
     }
     if (j < n) {
@@ -232,6 +235,7 @@ mb_m2b_off_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
         __syncthreads();
         if (t < nr) {
             float a = 0.0f;
+#pragma unroll 16
             for (int q = 0; q < SSD_HP; q++) a = fmaf(dys[t][q], yos[t][q], a);
             dcs[ch * BQ + i0 + t] = a * ev[i0 + t];
         }
@@ -263,6 +267,7 @@ mb_m2b_col_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
     __shared__ __align__(16) float bd[CT][SSD_NS], xd[CT][SSD_HP];
     __shared__ float bs[CT][SSD_NS + 1], db[CT][SSD_NS + 1], xs[CT][SSD_HP + 1], ax[CT][SSD_HP + 1];
     __shared__ float dec[BQ], tm[BQ], xo[BQ], gv[BQ], sa[BQ], qs;
+    __shared__ float qd[QM][SSD_HP], qh[SSD_HP][QM]; /* the tile's slice of q: dh rows, h_prev columns */
     const int64_t h = blockIdx.x, c = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], tok = d[4];
     const bool fold = c % nk < nk - 1, mt = threadIdx.x < SSD_NS;
@@ -282,7 +287,7 @@ mb_m2b_col_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
             for (int m = 0; m < SSD_NS; m++) w[m] = dhc[m * SSD_HP + p];
     }
     float q = 0.0f;
-    int qm = 0; /* q's chain has walked dh's rows [0, qm) */
+    int qm = 0; /* q's chain has walked dh's rows [0, qm) (thread 2 CT) */
     for (int64_t j0 = 0; j0 < n; j0 += CT) {
         const int nr = n - j0 < CT ? (int)(n - j0) : CT;
         __syncthreads(); /* dec is written; the previous tile is consumed */
@@ -299,6 +304,11 @@ mb_m2b_col_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
             xd[r][k] = x * dtc[j0 + r];
             ax[r][k] = du[(tok + j0 + r) * CD + h * SSD_HP + k];
         }
+        if (fold && qm + QM <= SSD_NS)
+            for (int e = t; e < QM * SSD_HP; e += COL_THREADS) {
+                qd[e / SSD_HP][e % SSD_HP] = dhc[qm * SSD_HP + e];
+                qh[e / QM][e % QM] = hp[(e / QM) * SSD_NS + qm + e % QM];
+            }
         __syncthreads();
         if (fold && mt) {
             float a[CT];
@@ -326,21 +336,25 @@ mb_m2b_col_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
             }
         } else if (t < nr) {
             float a = 0.0f;
+#pragma unroll 16
             for (int k = 0; k < SSD_HP; k++) a = fmaf(ax[t][k], xs[t][k], a);
             xo[j0 + t] = a;
         } else if (fold && t >= CT && t < CT + nr) {
             const int r = t - CT;
             float a = 0.0f;
+#pragma unroll 16
             for (int m = 0; m < SSD_NS; m++) a = fmaf(db[r][m], bs[r][m], a);
             tm[j0 + r] = a * dec[j0 + r];
-        } else if (fold && t == 2 * CT) {
-            q = b2_qdot(dhc, hp, qm, qm + SSD_NS / (BQ / CT), q);
-            qm += SSD_NS / (BQ / CT);
+        } else if (fold && t == 2 * CT && qm + QM <= SSD_NS) {
+            for (int mm = 0; mm < QM; mm++)
+#pragma unroll 16
+                for (int k = 0; k < SSD_HP; k++) q = fmaf(qd[mm][k], qh[k][mm], q);
         }
+        qm += QM;
     }
     __syncthreads();
     if (fold && t == 2 * CT) {
-        qs = b2_qdot(dhc, hp, qm, SSD_NS, q);
+        qs = b2_qdot(dhc, hp, qm < SSD_NS ? qm : SSD_NS, SSD_NS, q);
     }
     for (int64_t i = t; i < n; i += COL_THREADS)
         gv[i] = fold ? dcs[ch * BQ + i] - tm[i] : dcs[ch * BQ + i];
@@ -399,15 +413,20 @@ mb_m2b_dgs_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
         float xd[SSD_HP];
         b2_xd(U + (e0 + j) * CD + h * SSD_HP, dt[ch * BQ + j], xd);
         float seg = 0.0f;
+#pragma unroll 8
         for (int64_t i = j + 1; i < i0; i++) seg = seg + dAs[i];
 #pragma unroll
-        for (int r = 0; r < BT; r++) {
-            const int64_t i = i0 + r;
-            if (r < nr && i >= j) {
-                seg = i == j ? 0.0f : seg + dAs[i];
-                float dm = 0.0f;
-                b2_rows<1, SSD_HP>(&dys[r][0], SSD_HP, xd, &dm);
-                o[r] = o[r] + dm * mb_exp(seg);
+        for (int r0 = 0; r0 < BT; r0 += 4) {
+            if (r0 >= nr || i0 + r0 + 3 < j) continue;
+            float dm[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* four rows' chains at once */
+            b2_rows<4, SSD_HP>(&dys[r0][0], SSD_HP, xd, dm);
+#pragma unroll
+            for (int r = r0; r < r0 + 4; r++) {
+                const int64_t i = i0 + r;
+                if (r < nr && i >= j) {
+                    seg = i == j ? 0.0f : seg + dAs[i];
+                    o[r] = o[r] + dm[r - r0] * mb_exp(seg);
+                }
             }
         }
     }
@@ -500,3 +519,4 @@ MB_KERNEL void mb_m2b_alog_k(int64_t H, const float *A_log, float *out)
 #undef BT
 #undef CT
 #undef COL_THREADS
+#undef QM
