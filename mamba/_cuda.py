@@ -543,15 +543,18 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
 
-    def _rmsnorm(self, s, fast, M, n, x, w, out, r):
-        """out = RMSNorm rows of x (M, n); r: M floats of scratch (identical)."""
+    def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
+        """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
+        scratch (identical)."""
+        ldx = ldx or n
         if fast:
             self._launch(s, "mb_fast_rmsnorm_k", (min(M, 64 * self.sms),), FAST_THREADS,
-                         M, n, x, n, w, out, n)
+                         M, n, x, ldx, w, out, n)
             return
         self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
-                     M, n, x, n, r, smem=self.norm_smem)
-        self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, n, r, w, out, n)
+                     M, n, x, ldx, r, smem=self.norm_smem)
+        self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w, out,
+                     n)
 
     def _uniform_offsets(self, B, L):
         """Row offsets of B rows of L tokens (B + 1 int64) on the device, kept; the
@@ -651,7 +654,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._finish(s, back)
 
     def m1_session(self, w, d_model, pieces, fast):
-        return _M1Session(self, w, d_model, pieces, fast)
+        from . import _cuda_session  # it imports this module
+        return _cuda_session.M1Session(self, w, d_model, pieces, fast)
 
     def _capture_stream(self):
         """A private stream for graph capture (the legacy stream cannot capture)."""
@@ -672,125 +676,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast)
             self._finish(s, [(Y, yd)])
         return Y
-
-
-class _M1Session:
-    """A Mamba-1 decode session's step as one CUDA graph, captured once over the
-    session's resident weights, state and fixed input/output buffers: a step is a
-    copy in, one graph launch and a copy out, with no host wait for a device input.
-
-    The graph's first kernel (mb_step_guard_k) checks the step's input on the
-    device. A refused step (a NaN or inf in x) leaves the state alone, gives NaN
-    outputs, and so do the steps after it until the host has reported it: the guard
-    writes the step and index to mapped host memory, which the next step reads
-    without waiting, and which sync_state, load_state and close read after waiting
-    for the stream. A host input is checked on the host before it is uploaded."""
-
-    def __init__(self, be, w, dm, pieces, fast):
-        cu = be.cu
-        be._enter()
-        s = be.stream()
-        self.be, self.w, self.pieces, self.fast = be, w, pieces, fast
-        B = pieces[0].shape[0]
-        self.shape, self.nbytes = (B, 1, dm), 4 * B * dm
-        self.x, self.y = be.new(self.shape), be.new(self.shape)
-        self._keep = []
-
-        def alloc(n):
-            m = _Mem(be, 4 * n)
-            self._keep.append(m)
-            return m.ptr
-        bufs = _M1Buffers(be, alloc, B, dm, False)
-        off = be._uniform_offsets(B, 1)
-        self.guard = _Mem(be, 24)
-        be._ck(cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
-        be._ck(cu.cuMemsetD8Async(self.guard.ptr + 8, 0, 16, s.cu), "cuMemsetD8Async")
-        self.host = be._ck(cu.cuMemHostAlloc(16, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
-        self.seen = (ctypes.c_uint64 * 2).from_address(int(self.host))
-        self.seen[0] = self.seen[1] = NONE
-        dev_seen = int(be._ck(cu.cuMemHostGetDevicePointer(self.host, 0),
-                              "cuMemHostGetDevicePointer"))
-        be._sync(s)
-        self.graph = self.exec = None
-        cs = be._capture_stream()
-        be._ck(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-               "cuStreamBeginCapture")
-        try:
-            be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, B * dm, self.x,
-                       self.guard.ptr, dev_seen)
-            be._m1_launch(cs, fast, w, dm, B, 1, off, B, self.x.ptr, pieces[0].ptr, pieces[1].ptr,
-                          self.y.ptr, bufs, False, self.guard.ptr)
-        finally:
-            graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")
-        self.graph = graph
-        self.exec = be._ck(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        be._ck(cu.cuGraphUpload(self.exec, s.cu), "cuGraphUpload")
-        self.last = s
-
-    def _follow(self, s):
-        """Order this call after the session's previous one when the stream changed."""
-        if s.number != self.last.number:
-            self.be._wait(s.cu, self.last.cu)
-        self.last = s
-
-    def _refusal(self, s, what):
-        """The refusal the guard has reported (a ValueError), if any; the guard reopens
-        for the steps issued after this call."""
-        idx = self.seen[0]
-        if idx == NONE:
-            return None
-        step = self.seen[1]
-        self.seen[0] = self.seen[1] = NONE
-        self.be._ck(self.be.cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
-        return ValueError(f"mamba {what}: x of step {step + 1} of this session held a non-finite "
-                         f"value (NaN or inf) at flat index {idx}; that step and the later ones "
-                         "until now were refused (NaN outputs, state left as before that step)")
-
-    def step(self, x, what):
-        be, cu = self.be, self.be.cu
-        be._enter()
-        s = be.stream()
-        self._follow(s)
-        refused = self._refusal(s, what)
-        if refused is not None:
-            raise refused
-        if x.device == "cpu":
-            i = _core.first_nonfinite(x)
-            if i >= 0:
-                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
-                                 f"flat index {i}")
-            be._ck(cu.cuMemcpyHtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyHtoDAsync")
-            be._ck(cu.cuGraphLaunch(self.exec, s.cu), "cuGraphLaunch")
-            y = _core.empty(self.shape)
-            be._ck(cu.cuMemcpyDtoHAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoHAsync")
-            be._sync(s)
-            refused = self._refusal(s, what)  # an earlier device step's refusal refused this one
-            if refused is not None:
-                raise refused
-            return y
-        be._ck(cu.cuMemcpyDtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
-        be._ck(cu.cuGraphLaunch(self.exec, s.cu), "cuGraphLaunch")
-        y = be.empty(self.shape, like=x)
-        be._ck(cu.cuMemcpyDtoDAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
-        return y
-
-    def settle(self, what):
-        """Wait for the session's work; the refusal still unreported, or None."""
-        s = self.be.stream()
-        self._follow(s)
-        self.be._sync(s)
-        return self._refusal(s, what)
-
-    def __del__(self):
-        cu = self.be.cu
-        try:
-            if self.exec is not None:
-                cu.cuGraphExecDestroy(self.exec)
-            if self.graph is not None:
-                cu.cuGraphDestroy(self.graph)
-            cu.cuMemFreeHost(self.host)
-        except Exception:
-            pass
 
 
 def _is_c_contiguous(shape, strides):

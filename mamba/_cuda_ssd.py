@@ -116,12 +116,16 @@ class SsdMixin:
         self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts, fast)
         return xd, xn, zx
 
-    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast):
-        """out_proj and the residual into the padded output."""
+    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
+        """out_proj and the residual into the padded output (NaN where a session's
+        guard refused the step); a few one-token rows add it in the GEMV's epilogue."""
         C = self._ssd_fn()
+        if L == 1 and M <= C.GEMV_MAX_M:
+            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
+            return
         self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), C.THREADS,
-                     B, L, dm, I["off"], xd, xn, yd, 0)
+                     B, L, dm, I["off"], xd, xn, yd, guard)
 
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
@@ -245,15 +249,12 @@ class SsdMixin:
 
     # ---------------------------------------------------------------- Mamba-3
     def _m3_bc_norms(self, s, sc, B, L, I, zx, di, NP, Bn_w, Cn_w, fast):
-        """B and C RMSNorm over N of in_proj's rows zx (each gathered into its own
-        rows first): the (Bn, Cn) device pointers, M rows each."""
-        C = self._ssd_fn()
+        """B and C RMSNorm over N, read in place from in_proj's rows zx: the (Bn, Cn)
+        device pointers, M rows each."""
         M = I["M"]
-        Bn, Cn, raw = sc(M * NS), sc(M * NS), sc(M * NS)
+        Bn, Cn = sc(M * NS), sc(M * NS)
         for col, wn, out in ((2 * di, Bn_w, Bn), (2 * di + NS, Cn_w, Cn)):
-            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * NS, B), C.THREADS,
-                         B, I["off"], I["off"], I["zero"], NS, zx + 4 * col, NP, raw)
-            self._rmsnorm(s, fast, M, NS, raw, wn, out, I["r"])
+            self._rmsnorm(s, fast, M, NS, zx + 4 * col, wn, out, I["r"], NP)
         return Bn, Cn
 
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
@@ -327,8 +328,20 @@ class SsdMixin:
         return buffered_tokens if lengths is not None else plan.counts[0]
 
 
+    # ---------------------------------------------------------------- sessions
+    def _m2_session(self, block, w, state, fast=False):
+        from . import _cuda_session  # it imports this module
+        return _cuda_session.M2Session(self, block, w, state, fast)
+
+    def _m3_session(self, block, w, state, fast=False):
+        from . import _cuda_session
+        return _cuda_session.M3Session(self, block, w, state, fast)
+
+
 if enabled():
     SsdMixin.m2_forward = SsdMixin._m2_forward
     SsdMixin.m2_report_inputs = SsdMixin._m2_report_inputs
     SsdMixin.m2_h_last = SsdMixin._m2_h_last
+    SsdMixin.m2_session = SsdMixin._m2_session
     SsdMixin.m3_forward = SsdMixin._m3_forward
+    SsdMixin.m3_session = SsdMixin._m3_session

@@ -60,9 +60,9 @@ class Mamba1Block(_Block):
     def _backward_kernel(self, w, x, dy, gx, gw):
         self._backend.m1_backward(w, self.d_model, x, dy, gx, gw)
 
-    def _session_runner(self, w, pieces):
+    def _session_runner(self, w, state):
         # a GPU backend may run a session's step as one captured graph
         open_session = getattr(self._backend, "m1_session", None)
         if open_session is None:
             return None
-        return open_session(w, self.d_model, pieces, self.numeric_mode == "fast")
+        return open_session(w, self.d_model, state.pieces(), self.numeric_mode == "fast")

@@ -76,7 +76,7 @@ class Mamba2Block(_HeadedBlock):
     _STATE = Mamba2State
     _KIND = "m2"
     profile = PROFILE
-    _report = _h_last = None
+    _report = _reported = None  # what gives h_last_ when first read, and what it gave
 
     def __init__(self, weights, *, dt_limit=(0.0, math.inf), numeric_mode="identical",
                  backend="auto"):
@@ -121,9 +121,9 @@ class Mamba2Block(_HeadedBlock):
     @property
     def h_last_(self):
         """(B, H, 64, 128) report of the last call (None before any call)."""
-        if self._h_last is None and self._report is not None:
-            self._h_last = self._backend.m2_h_last(self.d_model, self._report)
-        return self._h_last
+        if self._reported is None and self._report is not None:
+            self._reported = self._report()
+        return self._reported
 
     def _backward_kernel(self, w, x, dy, gx, gw):
         self._backend.m2_backward(w, self.d_model, self.dt_limit, x, dy, gx, gw)
@@ -137,5 +137,13 @@ class Mamba2Block(_HeadedBlock):
             state.buffered_tokens = counts[0]
         # h_last_ is a function of the state after the call: keep copies of what it
         # reads and fold only when it is read, so a decode step does not pay for it
-        self._report = be.m2_report_inputs(w, self.dt_limit, pieces, counts)
-        self._h_last = None
+        inputs, dm = be.m2_report_inputs(w, self.dt_limit, pieces, counts), self.d_model
+        self._report, self._reported = (lambda: be.m2_h_last(dm, inputs)), None
+
+    def _session_runner(self, w, state):
+        # a GPU backend may run a session's step as one captured graph, which leaves
+        # the block a report read from the session's buffers
+        open_session = getattr(self._backend, "m2_session", None)
+        if open_session is None:
+            return None
+        return open_session(self, w, state, self.numeric_mode == "fast")

@@ -110,7 +110,17 @@ class Mamba3Block(_HeadedBlock):
     _STATE = Mamba3State
     _KIND = "m3"
     profile = PROFILE
-    h_last_ = k_last_ = v_last_ = theta_last_ = None
+    _report = _reported = None  # what gives the four reports when first read, and what it gave
+
+    def _reports(self, i):
+        if self._reported is None and self._report is not None:
+            self._reported = self._report()
+        return None if self._reported is None else self._reported[i]
+
+    h_last_ = property(lambda self: self._reports(0))
+    k_last_ = property(lambda self: self._reports(1))
+    v_last_ = property(lambda self: self._reports(2))
+    theta_last_ = property(lambda self: self._reports(3))
 
     @property
     def d_in_proj(self):
@@ -164,4 +174,11 @@ class Mamba3Block(_HeadedBlock):
                           fast=self.numeric_mode == "fast")
         state.buffered_tokens = n
         state.pending = False
-        self.h_last_, self.k_last_, self.v_last_, self.theta_last_ = reports
+        self._report, self._reported = None, reports
+
+    def _session_runner(self, w, state):
+        # as Mamba2Block's
+        open_session = getattr(self._backend, "m3_session", None)
+        if open_session is None:
+            return None
+        return open_session(self, w, state, self.numeric_mode == "fast")

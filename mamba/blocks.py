@@ -108,11 +108,12 @@ class _Block:
     def _check_scalars(self, state, what):
         pass
 
-    def _session_runner(self, w, pieces):
+    def _session_runner(self, w, state):
         """An object whose step(x, what) runs a decode session's steps on resident
         buffers (a GPU graph) and whose settle(what) waits for them and returns the
         refusal of a step checked on the device still unreported (or None); None
-        for the plain step path."""
+        for the plain step path. state is the session's own: its pieces are the
+        session's buffers, and the runner keeps its scalars current."""
         return None
 
     # ------------------------------------------------------------- compute
@@ -223,7 +224,7 @@ class DecodeSession:
         self._pieces = [block._backend.copy(a) for a in src]
         self._scalars = {n: getattr(state, n) for n in state._SCALARS}
         self._shadow = block._STATE(*self._pieces, **self._scalars)
-        self._run = block._session_runner(self._w, self._pieces)
+        self._run = block._session_runner(self._w, self._shadow)
         self._open = True
         state._resident_session = self
 

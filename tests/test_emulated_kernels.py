@@ -206,6 +206,81 @@ def test_device_state_and_session(be, name):
     assert_same(got + state_of(st_d), want + state_of(st_c), f"{name} on device")
 
 
+def _poisoned(x, i):
+    """A copy of x with a NaN at flat index i."""
+    bad = mamba.asarray(memoryview(bytearray(raw(x))).cast("f"), memoryview(x).shape)
+    memoryview(bad).cast("B").cast("f")[i] = math.nan
+    return bad
+
+
+@pytest.mark.parametrize("name,B", [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)])
+def test_ssd_session_graph(be, name, B):
+    """Mamba-2 and Mamba-3 sessions as one graph per step (ssd_step.cu): steps across
+    the chunk grid on device and host inputs, the reports after every step, a step
+    refused on the device in the middle (NaN outputs, state kept, raised by the next
+    call, then on as before), sync_state, and load_state of an edited state (a
+    different count of buffered tokens): all the C reference's bits."""
+    P, T = BLOCKS[name]["decode"]
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    D = cpu.d_model
+    x = rand((B, T + 1, D), 40 + B)
+    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
+    cpu.forward(time_slice(x, 0, P), st_c)
+    gpu.forward(time_slice(x, 0, P), st_g)
+    bad_at, load_at = P + 3, T - 4
+    got, want = [], []
+    with gpu.decode_session(st_g) as sess:
+        for t in range(P, T):
+            xt = time_slice(x, t, t + 1)
+            if t == bad_at:
+                y_bad = sess.step(be.copy(_poisoned(xt, B * D - 2)))
+                assert all(math.isnan(v) for v in memoryview(host(y_bad)).cast("f"))
+                with pytest.raises(ValueError, match=f"x of step {t - P + 1} of this session "
+                                                     f"held a non-finite value .* index {B * D - 2};"):
+                    sess.step(xt)
+            if t == load_at:  # the caller's state one token further on, loaded
+                sess.sync_state()
+                assert_same(state_of(st_g), state_of(st_c), f"{name} synced before token {t}")
+                xo = time_slice(x, T, T + 1)
+                cpu.step(xo, st_c)
+                for n, p in zip(st_c._PIECES, st_c.pieces()):
+                    memoryview(getattr(st_g, n)).cast("B")[:] = memoryview(p).cast("B")
+                for n in st_c._SCALARS:
+                    setattr(st_g, n, getattr(st_c, n))
+                sess.load_state()
+            y = sess.step(be.copy(xt) if t % 2 else xt)
+            got.append((f"step {t}", host(y)))
+            want.append((f"step {t}", raw(cpu.step(xt, st_c))))
+            got += [(f"{r} {t}", host(getattr(gpu, r))) for r in REPORTS[name]]
+            want += [(f"{r} {t}", raw(getattr(cpu, r))) for r in REPORTS[name]]
+    assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} session B {B}")
+
+
+def test_m3_session_input_states(be):
+    """A Mamba-3 session whose first step consumes Input_States (its own graph, the
+    step's device x checked before the launch): the C reference's bits."""
+    cpu, gpu = make("mamba3", backend="cpu"), make("mamba3", backend="cuda")
+    x = rand((2, 40, cpu.d_model), 6)
+    cpu.forward(time_slice(x, 0, 30))
+    given = [getattr(cpu, r) for r in ("theta_last_", "h_last_", "k_last_", "v_last_")]
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    st_c.set_input_states(*given)
+    st_g.set_input_states(*given)
+    got, want = [], []
+    with gpu.decode_session(st_g) as sess:
+        bad = _poisoned(time_slice(x, 30, 31), 3)
+        with pytest.raises(ValueError, match="DecodeSession.step: x holds a non-finite value "
+                                             r"\(NaN or inf\) at flat index 3$"):
+            sess.step(be.copy(bad))
+        for t in range(30, 36):
+            xt = time_slice(x, t, t + 1)
+            got.append((f"step {t}", host(sess.step(be.copy(xt)))))
+            want.append((f"step {t}", raw(cpu.step(xt, st_c))))
+            got += [(f"{r} {t}", host(getattr(gpu, r))) for r in REPORTS["mamba3"]]
+            want += [(f"{r} {t}", raw(getattr(cpu, r))) for r in REPORTS["mamba3"]]
+    assert_same(got + state_of(st_g), want + state_of(st_c), "mamba3 Input_States session")
+
+
 def test_device_refusals_and_strided_input(be):
     """A non-finite device input is found on the device, by the forward and by a
     Mamba-1 session's graph (NaN outputs, state kept, the step named); a strided

@@ -11,6 +11,7 @@
 #include "fast.cu"
 #include "ssd2.cu"
 #include "ssd3.cu"
+#include "ssd_step.cu"
 #include "grad.cu"
 #include "back1.cu"
 #include "back2.cu"

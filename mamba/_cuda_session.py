@@ -1,0 +1,464 @@
+"""Decode sessions on the CUDA backend: each step is one replay of a CUDA graph.
+
+A session's step is captured once, over the session's resident weights, state and
+fixed input and output buffers: a step is a copy of x in, one cuGraphLaunch and a
+copy of y out, with no host wait for a device input and no host data per step.
+Mamba-2 and Mamba-3 keep their count of buffered tokens on the device too, where
+the step's first kernel of ssd_step.cu writes the chunk tables that _cuda_ssd._Plan
+would give a one-token call, and moves the count on; the host keeps its own copy
+of the count in step with the device's, in the session's state.
+
+The graph's first kernel (mb_step_guard_k) checks the step's input on the device.
+A refused step (a NaN or inf in x) leaves the state alone, gives NaN outputs, and
+so do the steps after it until the host has reported it: the guard writes the step
+and index to mapped host memory, which the next step reads without waiting, and
+which sync_state, load_state and close read after waiting for the stream. A host
+input is checked on the host before it is uploaded.
+"""
+import ctypes
+import operator
+
+from . import _core, _cuda_ssd
+from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
+from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS, Y_THREADS
+
+
+class _GraphSession:
+    """What every block's session shares: the fixed x and y buffers, the guard, the
+    capture of a step, the step itself, stream following and refusals. A subclass
+    captures its step (self.exec) and may adjust the step before the launch
+    (_prepare: the graph to launch) and after it (_stepped), and learn of refused
+    steps (_rolled_back)."""
+
+    def __init__(self, be, shape):
+        cu = be.cu
+        be._enter()
+        s = be.stream()
+        self.be, self.shape = be, shape
+        self.x, self.y = be.new(shape), be.new(shape)
+        self.nbytes = 4 * self.x.size
+        self._keep, self._graphs = [], []
+        self.guard = _Mem(be, 24)
+        be._ck(cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
+        be._ck(cu.cuMemsetD8Async(self.guard.ptr + 8, 0, 16, s.cu), "cuMemsetD8Async")
+        self.host = be._ck(cu.cuMemHostAlloc(16, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.seen = (ctypes.c_uint64 * 2).from_address(int(self.host))
+        self.seen[0] = self.seen[1] = NONE
+        self.dev_seen = int(be._ck(cu.cuMemHostGetDevicePointer(self.host, 0),
+                                   "cuMemHostGetDevicePointer"))
+        self.steps = 0  # graph launches, as the guard counts them
+        self.exec = None
+        self.last = s
+
+    def alloc(self, n):
+        """n floats (or n / 2 int64) of device memory the session keeps."""
+        m = _Mem(self.be, 4 * n)
+        self._keep.append(m)
+        return m.ptr
+
+    def arena(self, n):
+        """An allocator for launchers that take one (CudaBackend._front and friends)
+        while a graph is captured, when no memory can be allocated: it hands out, 256
+        bytes aligned, the n floats allocated now."""
+        base, end, at = self.alloc(n), 4 * n, [0]
+
+        def take(k):
+            p = base + at[0]
+            at[0] += -(-4 * k // 256) * 256
+            if at[0] > end:
+                raise AssertionError("a session's arena is too small")
+            return p
+        return take
+
+    def capture(self, body):
+        """The graph of the guard and the launches body(stream) makes, instantiated and
+        uploaded; body's launches read the guard word."""
+        be, cu = self.be, self.be.cu
+        s = be.stream()
+        be._sync(s)  # the session's buffers are set
+        cs = be._capture_stream()
+        be._ck(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, self.x.size, self.x,
+                       self.guard.ptr, self.dev_seen)
+            body(cs)
+        except BaseException:
+            cu.cuStreamEndCapture(cs)  # the body's error is the one to report
+            raise
+        graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")
+        self._graphs.append([graph, None])
+        exe = self._graphs[-1][1] = be._ck(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        be._ck(cu.cuGraphUpload(exe, s.cu), "cuGraphUpload")
+        return exe
+
+    def _follow(self, s):
+        """Order this call after the session's previous one when the stream changed."""
+        if s.number != self.last.number:
+            self.be._wait(s.cu, self.last.cu)
+        self.last = s
+
+    def _refusal(self, s, what):
+        """The refusal the guard has reported (a ValueError), if any; the guard reopens
+        for the steps issued after this call."""
+        idx = self.seen[0]
+        if idx == NONE:
+            return None
+        step = self.seen[1]
+        self.seen[0] = self.seen[1] = NONE
+        self.be._ck(self.be.cu.cuMemsetD8Async(self.guard.ptr, 0xFF, 8, s.cu), "cuMemsetD8Async")
+        self._rolled_back(step)
+        return ValueError(f"mamba {what}: x of step {step + 1} of this session held a non-finite "
+                          f"value (NaN or inf) at flat index {idx}; that step and the later ones "
+                          "until now were refused (NaN outputs, state left as before that step)")
+
+    def _prepare(self, s, x, what):
+        return self.exec
+
+    def _stepped(self):
+        pass
+
+    def _rolled_back(self, step):
+        """Steps from number `step` (from 0) to the last one issued were refused."""
+
+    def step(self, x, what):
+        be, cu = self.be, self.be.cu
+        be._enter()
+        s = be.stream()
+        self._follow(s)
+        refused = self._refusal(s, what)
+        if refused is not None:
+            raise refused
+        on_host = x.device == "cpu"
+        if on_host:
+            i = _core.first_nonfinite(x)
+            if i >= 0:
+                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
+                                 f"flat index {i}")
+        exe = self._prepare(s, x, what)
+        if on_host:
+            be._ck(cu.cuMemcpyHtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyHtoDAsync")
+        else:
+            be._ck(cu.cuMemcpyDtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
+        be._ck(cu.cuGraphLaunch(exe, s.cu), "cuGraphLaunch")
+        self.steps += 1
+        self._stepped()
+        if on_host:
+            y = _core.empty(self.shape)
+            be._ck(cu.cuMemcpyDtoHAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoHAsync")
+            be._sync(s)
+            refused = self._refusal(s, what)  # an earlier device step's refusal refused this one
+            if refused is not None:
+                raise refused
+            return y
+        y = be.empty(self.shape, like=x)
+        be._ck(cu.cuMemcpyDtoDAsync(y.ptr, self.y.ptr, self.nbytes, s.cu), "cuMemcpyDtoDAsync")
+        return y
+
+    def settle(self, what):
+        """Wait for the session's work; the refusal still unreported, or None."""
+        s = self.be.stream()
+        self._follow(s)
+        self._settling(s)
+        self.be._sync(s)
+        return self._refusal(s, what)
+
+    def _settling(self, s):
+        """Work to issue before sync_state or load_state reads or replaces the state."""
+
+    def __del__(self):
+        cu = self.be.cu
+        try:
+            for graph, exe in self._graphs:
+                if exe is not None:
+                    cu.cuGraphExecDestroy(exe)
+                cu.cuGraphDestroy(graph)
+            cu.cuMemFreeHost(self.host)
+        except Exception:
+            pass
+
+
+class M1Session(_GraphSession):
+    """Mamba-1: the launches of a one-token call (CudaBackend._m1_launch)."""
+
+    def __init__(self, be, w, dm, pieces, fast):
+        B = pieces[0].shape[0]
+        super().__init__(be, (B, 1, dm))
+        bufs = _M1Buffers(be, self.alloc, B, dm, False)
+        off = be._uniform_offsets(B, 1)
+        self.exec = self.capture(lambda cs: be._m1_launch(
+            cs, fast, w, dm, B, 1, off, B, self.x.ptr, pieces[0].ptr, pieces[1].ptr,
+            self.y.ptr, bufs, False, self.guard.ptr))
+
+
+class _Report:
+    """A session step's reports, computed from the session's buffers when first read
+    (the next step replaces it on the block, and sync_state and load_state compute
+    it before the buffers change)."""
+
+    def __init__(self, session):
+        self.session, self.value = session, None
+
+    def __call__(self):
+        if self.session is not None:
+            self.value = self.session._reports()
+            self.session = None  # the session's buffers are not kept for it
+        return self.value
+
+
+class _SsdSession(_GraphSession):
+    """Mamba-2 and Mamba-3: the count of buffered tokens lives in ctl on the device
+    (set from the state when it differs from the host's count, after load_state),
+    the host's count in the session's state follows each step and each refusal, and
+    each step leaves the block a _Report."""
+    SCALARS = ("buffered_tokens",)
+
+    def __init__(self, be, block, state):
+        dm = block.d_model
+        B = state.h.shape[0]
+        super().__init__(be, (B, 1, dm))
+        self.block, self.state, self.B, self.dm = block, state, B, dm
+        self.ctl = self.alloc(4)
+        s = be.stream()
+        be._ck(be.cu.cuMemsetD32Async(self.ctl, 0, 4, s.cu), "cuMemsetD32Async")
+        self.base, self.base_step = None, 0
+        self.report = None
+        be._kernels(*self.KERNELS)
+
+    def scratch(self):
+        """The table CudaBackend._front and friends take."""
+        return {"M": self.B, "r": self.alloc(self.B), "off": self.be._uniform_offsets(self.B, 1)}
+
+    def front_arena(self, NP):
+        """An arena for _front's rows and Mamba-3's B and C norms."""
+        return self.arena(self.B * (self.dm + NP + 2 * NS) + 4 * 64)
+
+    def _count(self):
+        """The host's scalars now: the state's after base_step, advanced by the steps
+        issued since."""
+        return self.advance(self.base, self.steps - self.base_step)
+
+    def _prepare(self, s, x, what):
+        given = tuple(f(getattr(self.state, n)) for n, f in
+                      zip(self.SCALARS, (operator.index, bool)))
+        if self.base is None or given != self._count():  # opened, or load_state
+            self.base, self.base_step = given, self.steps
+            self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl, given[0], 1, s.cu),
+                        "cuMemsetD32Async")
+        return self.exec
+
+    def _stepped(self):
+        self._publish()
+        self.report = _Report(self)
+        self.block._report, self.block._reported = self.report, None
+
+    def _publish(self):
+        for n, v in zip(self.SCALARS, self._count()):
+            setattr(self.state, n, v)
+
+    def _rolled_back(self, step):
+        self.base = self.advance(self.base, step - self.base_step)
+        self.base_step = self.steps
+        self._publish()
+
+    def _settling(self, s):
+        if self.report is not None and self.block._report is self.report:
+            self.block._reported = self.report()
+        self.report = None
+
+
+class M2Session(_SsdSession):
+    """Mamba-2 (_cuda_ssd._m2_forward at L = 1 on the ext layout of ssd_step.cu).
+    The step keeps dt, dA and their cumsum of the open rows in a cache and computes
+    only the new row's; the cache is made whole again at the first step after the
+    session opens and after each sync_state or load_state (ctl[1])."""
+    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_close_k", "mb_ssd_chain_k", "mb_m2_g_k",
+               "mb_m2_fold_k", "mb_m2_y_k", "mb_m2_gate_k")
+
+    @staticmethod
+    def advance(count, n):
+        return ((count[0] + n) % M2_Q,)
+
+    def __init__(self, be, block, w, state, fast):
+        super().__init__(be, block, state)
+        B, dm, a = self.B, self.dm, self.alloc
+        di = 2 * dm
+        H, CD = di // HP, di + 2 * NS
+        NP = di + CD + H
+        self.H, self.di, self.CD = H, di, CD
+        norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
+        lo, hi = block.dt_limit
+        cw, h, bx, bd = (p.ptr for p in state.pieces())
+        self.h, self.bx = state.h, bx
+        I = self.scratch()
+        nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
+        parts = a(nparts) if nparts else 0
+        unew, G, yg = a(B * CD), a(B * M2_Q * M2_Q), a(B * di)
+        self.dt, dA, self.cs = a(B * H * M2_Q), a(B * H * M2_Q), a(B * H * M2_Q)
+        S, Ec = a(B * H * HP * NS), a(B * H)
+        scal, cbeg, desc, self.rep = a(4), a(2 * (B + 1)), a(12 * B), a(12 * B)
+        self._refresh(be.stream())
+        conv = "mb_fast_conv_step_k" if fast else "mb_conv_step_k"
+        g, L = self.guard.ptr, be._launch
+
+        sc = self.front_arena(NP)
+
+        def body(cs):
+            xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
+                                   fast)
+            L(cs, conv, (be._grid(B * CD),), THREADS,
+              B, CD, zx + 4 * di, NP, cw, conv_w, conv_b, unew, CD, g)
+            L(cs, "mb_m2_step_in_k", (be._grid(B * (CD + H)),), THREADS,
+              B, H, CD, unew, zx + 4 * (di + CD), NP, dt_bias, A_log,
+              _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,
+              self.dt, dA, self.cs, scal, cbeg, desc, self.rep)
+            L(cs, "mb_m2_g_k", (be._grid(B * M2_Q * M2_Q),), THREADS,
+              B, desc, di, CD, bx, G)
+            L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
+              desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
+            L(cs, "mb_ssd_chain_k", (be._grid(B * H * HP * NS),), THREADS,
+              B, H, cbeg, desc, Ec, S, h, S)
+            L(cs, "mb_m2_y_k", (H, B), Y_THREADS, desc, H, di, CD, bx, G, self.dt,
+              dA, self.cs, S, D, yg)
+            L(cs, "mb_m2_gate_k", (be._grid(B * di),), THREADS, B, di, zx, NP, yg)
+            be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
+            be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
+            # the folded chunk's zeros wait for every reader of the buffers; the grid
+            # is a step's, the rare fold loops
+            L(cs, "mb_m2_step_close_k", (be._grid(B * (CD + H)),), THREADS,
+              B, H, CD, scal, self.ctl, bx, bd)
+        self.exec = self.capture(body)
+
+    def _refresh(self, s):
+        self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl + 8, 1, 1, s.cu), "cuMemsetD32Async")
+
+    def _settling(self, s):
+        super()._settling(s)
+        self._refresh(s)  # load_state may replace the buffers
+
+    def _reports(self):
+        """h_last_: the open rows (rep) folded into h from the cache, as _m2_h_last."""
+        be = self.be
+        be._enter()
+        s = be.stream()
+        self._follow(s)
+        out = be.empty(self.h.shape, like=self.h)
+        be._launch(s.cu, "mb_m2_fold_k", (self.B, self.H), FOLD_THREADS, self.rep, self.H,
+                   self.di, self.CD, self.bx, self.dt, self.cs, self.h, out, 0)
+        return out
+
+
+class M3Session(_SsdSession):
+    """Mamba-3 (_cuda_ssd._m3_forward at L = 1). The one-token kernels compute the
+    new token into rows of their own, mb_m3_step_rows_k places it in the working
+    chunk, and a sealing step folds the old chunk from copies with the new row after
+    it (ssd_step.cu). A step that consumes Input_States (the state's pending flag)
+    runs a second graph with the pending kernel; its x is checked before the launch,
+    so that it is never refused."""
+    SCALARS = ("buffered_tokens", "pending")
+    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+               "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
+               "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k")
+
+    @staticmethod
+    def advance(count, n):
+        if n == 0:
+            return count
+        return ((count[0] % M3_Q + n - 1) % M3_Q + 1, False)
+
+    def __init__(self, be, block, w, state, fast):
+        super().__init__(be, block, state)
+        B, dm, a = self.B, self.dm, self.alloc
+        di, H, NP = _cuda_ssd.m3_dims(dm)
+        self.H = H
+        norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
+        theta, h, bq, bk, bv, bdt, bsg, bad, pk, pv = (p.ptr for p in state.pieces())
+        self.bufs = (bk, bv, bdt, bsg, bad)
+        I = self.scratch()
+        nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
+        parts = a(nparts) if nparts else 0
+        # the new token's rows, the y kernel's qk_gamma, the seal's copies
+        qn, kn, vn = a(B * H * NS), a(B * H * NS), a(B * di)
+        dtn, sgn, adn, qgn, TA = a(B * H), a(B * H), a(B * H), a(B * H), a(B * NA)
+        qkg = a(B * M3_Q * H)
+        E1 = B * (M3_Q + 1)
+        sk, sv, sdt, ssg, sad = a(E1 * H * NS), a(E1 * di), a(E1 * H), a(E1 * H), a(E1 * H)
+        S, Ec, yg = a(2 * B * H * HP * NS), a(2 * B * H), a(B * di)
+        scal, off, cbeg = a(6), a(2 * (B + 1)), a(2 * (B + 1))
+        fdesc, ydesc, self.rep, self.last_row = a(24 * B), a(24 * B), a(12 * B), a(2 * B)
+        zero = a(2 * B)
+        be._ck(be.cu.cuMemsetD32Async(zero, 0, 2 * B, be.stream().cu), "cuMemsetD32Async")
+        new = I["off"]  # the new token's row b is row b of the rows of its own
+        g, L = self.guard.ptr, be._launch
+
+        def body(cs, sc, pending):
+            xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
+                                   fast)
+            Bn, Cn = be._m3_bc_norms(cs, sc, B, 1, I, zx, di, NP, Bn_w, Cn_w, fast)
+            L(cs, "mb_m3_step_plan_k", (1,), THREADS, B, g, self.ctl, scal, off, cbeg,
+              fdesc, ydesc, self.rep, self.last_row)
+            L(cs, "mb_m3_prep_k", be._rows_grid(H + NA, B), THREADS,
+              B, off, new, zero, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias,
+              dtn, sgn, adn, qgn, TA)
+            L(cs, "mb_ssd_put_k", be._rows_grid(di, B), THREADS,
+              B, off, new, zero, di, zx + 4 * di, NP, vn)
+            L(cs, "mb_m3_angles_k", (be._grid(B * H * NA),), THREADS,
+              B, H, off, new, zero, TA, dtn, theta, qn, 0)
+            L(cs, "mb_m3_rotate_k", be._rows_grid(H * NA, B), THREADS,
+              B, H, off, new, zero, Bn, Cn, B_bias, C_bias, qn, kn)
+            if pending:
+                L(cs, "mb_m3_pending_k", (be._grid(B * H * HP * NS),), THREADS,
+                  B, H, new, dtn, sgn, pk, pv, h)
+                for p, n in ((pk, B * H * NS), (pv, B * H * HP)):
+                    be._ck(be.cu.cuMemsetD32Async(p, 0, n, cs), "cuMemsetD32Async")
+            L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 4)),),  # a seal loops
+              THREADS, B, H, scal, qn, kn, vn, dtn, sgn, adn, qgn, bq, bk, bv, bdt,
+              bsg, bad, qkg, sk, sv, sdt, ssg, sad)
+            L(cs, "mb_m3_fold_k", (2 * B, H), FOLD_THREADS,
+              fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)
+            L(cs, "mb_ssd_chain_k", (be._grid(B * H * HP * NS),), THREADS,
+              B, H, cbeg, fdesc, Ec, S, h, S)
+            L(cs, "mb_m3_y_k", (H, 2 * B), Y_THREADS, ydesc, H, di, NP, bq, bk, bv,
+              bdt, bsg, bad, qkg, S, D, zx, yg)
+            be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
+        self._body, self.NP = body, NP
+        self.exec = self._capture(False)
+        self._pending_exec = None
+
+    def _capture(self, pending):
+        sc = self.front_arena(self.NP)
+        return self.capture(lambda cs: self._body(cs, sc, pending))
+
+    def _prepare(self, s, x, what):
+        exe = super()._prepare(s, x, what)
+        if not self._count()[1]:
+            return exe
+        # Input_States go into h before the step's fold: a refused step could not
+        # take them back, so this step's x is checked first (a host x already was)
+        if x.device != "cpu":
+            i = self.be.first_nonfinite(x)
+            if i >= 0:
+                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
+                                 f"flat index {i}")
+        if self._pending_exec is None:
+            self._pending_exec = self._capture(True)
+        return self._pending_exec
+
+    def _reports(self):
+        """h_last_, k_last_, v_last_, theta_last_ of the working chunk (rep, last), as
+        _m3_forward writes them."""
+        be, st = self.be, self.state
+        be._enter()
+        s = be.stream()
+        self._follow(s)
+        B, H = self.B, self.H
+        out = tuple(be.empty(p.shape, like=p) for p in (st.h, st.pending_k, st.pending_v, st.theta))
+        bk, bv, bdt, bsg, bad = self.bufs
+        L = be._launch
+        L(s.cu, "mb_m3_fold_k", (B, H), FOLD_THREADS,
+          self.rep, H, bk, bv, bdt, bsg, bad, st.h, out[0], 0)
+        L(s.cu, "mb_m3_last_k", (be._grid(B * H * (NS + HP)),), THREADS,
+          B, H, self.last_row, bk, bv, out[1], out[2])
+        be._ck(be.cu.cuMemcpyDtoDAsync(out[3].ptr, st.theta.ptr, 4 * out[3].size, s.cu),
+               "cuMemcpyDtoDAsync")
+        return out
