@@ -3,11 +3,15 @@ shared grad.cu), the twin of reference/back1.c: every gradient has the C referen
 bits (docs/numerics.md, "Backward (Mamba-1)")."""
 from . import _cuda_grad
 
-NS, TC = 16, 32      # back1.cu: NS, M1B_TC
-CHUNK_THREADS = 128  # mb_m1b_chunk_k: channels per block
+NS, TC = 16, 32                  # back1.cu: NS, M1B_TC
+LANE_CH = 8                      # back1.cu M1B_SCH: channels per block of the lane kernels
+GROUP, SUB = 16, 16              # back1.cu M1B_G, M1B_SG (mb_m1b_chunk_k)
+CHUNK_THREADS = GROUP * NS
+_TOK, _BUF = GROUP * (NS + 4) + 16, 4 * TC * GROUP + GROUP * (NS + 4)
+CHUNK_SMEM = 4 * ((TC + 2 * SUB) * _TOK + 2 * _BUF + TC * 2 * NS)  # back1.cu M1B_SMEM
 GRID_Y = 65535
-_KERNELS = ("mb_m1b_prep_k", "mb_m1b_gate_k", "mb_m1b_carry_k", "mb_m1b_chunk_k",
-            "mb_m1b_fold_bc_k", "mb_m1b_fold_a_k", "mb_m1b_alog_k", "mb_m1b_du_k")
+_KERNELS = ("mb_m1b_prep_k", "mb_m1b_gate_k", "mb_m1b_dhc_k", "mb_m1b_lead_k", "mb_m1b_fwd_k",
+            "mb_m1b_chunk_k", "mb_m1b_alog_k", "mb_m1b_du_k")
 
 _cdiv = _cuda_grad._cdiv
 
@@ -15,10 +19,18 @@ _cdiv = _cuda_grad._cdiv
 class Back1Mixin:
     """CudaBackend.m1_backward."""
 
-    # Bytes of the scan's window buffers (h, dh and w of a run of whole chunks): the
-    # scan's memory past the activations stays bounded for any B * L. The window
-    # cuts no reduction, so its size changes no bit.
+    # Bytes of the scan's carries (dh and h every 32 tokens of a run of whole rows, a
+    # window): the scan's memory past the activations stays bounded for any B * L. The
+    # window cuts no reduction, so its size changes no bit.
     m1_window_bytes = 1 << 29
+
+    def _b1_kernels(self):
+        if "mb_m1b_chunk_k" not in self.fn:
+            self._kernels(*_KERNELS)
+            self._ck(self.cu.cuFuncSetAttribute(
+                self.fn["mb_m1b_chunk_k"],
+                self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                CHUNK_SMEM), "cuFuncSetAttribute(mb_m1b_chunk_k)")
 
     def m1_backward(self, w, d_model, x, dy, gx, gw):
         """Gradients of a zero-state prefill of x (B, L, d_model) with grad_output dy:
@@ -27,7 +39,7 @@ class Back1Mixin:
         same identical path (the block passes no mode): the backward has no faster
         schedule, so fast mode's accuracy promise holds with the identical bits."""
         from . import _cuda as C
-        self._kernels(*_KERNELS)
+        self._b1_kernels()
         self._enter()
         st = self.stream()
         s = st.cu
@@ -44,7 +56,7 @@ class Back1Mixin:
 
             # steps 1-4 of the forward, keeping the conv's and dt_proj's pre-activations
             xn, xz, pre, u = sc(M * dm), sc(M * 2 * di), sc(M * di), sc(M * di)
-            xdbl, spre, delta, dlu = sc(M * XR), sc(M * di), sc(M * di), sc(M * di)
+            xdbl, spre, delta = sc(M * XR), sc(M * di), sc(M * di)
             nparts = max(self._parts(M, 2 * di, dm), self._parts(M, XR, di),
                          self._parts(M, di, R))
             parts = sc(nparts) if nparts else 0
@@ -53,23 +65,24 @@ class Back1Mixin:
             self.g_conv_pre(s, B, L, di, xz, 2 * di, conv_w, conv_b, pre, di, u, di)
             self.gemm(s, M, XR, di, u, di, x_proj, di, xdbl, XR, parts)
             self.gemm(s, M, di, R, xdbl, XR, dt_w, R, spre, di, parts)
-            self._launch(s, "mb_m1b_prep_k", (grid(M * di),), C.THREADS, M, di, spre, dt_b, u,
-                         delta, dlu)
+            self._launch(s, "mb_m1b_prep_k", (grid(M * di),), C.THREADS, M, di, spre, dt_b,
+                         delta)
 
             # the gate's input gradient: dyg = dout . out_proj, dys = dyg * silu(z)
             dyg, dys = sc(M * di), sc(M * di)
             self.g_linear_bwd(s, sc, M, dm, di, 0, 0, out_proj, di, dyd, dm, dX=dyg, lddx=di)
             self._launch(s, "mb_m1b_gate_k", (grid(M * di),), C.THREADS, M, di, dyg, xz, dys)
 
-            # the scan: carries, then windows of whole chunks
+            # the scan
             yg, ds, dus, dxdbl, dxz = sc(M * di), sc(M * di), sc(M * di), sc(M * XR), sc(M * 2 * di)
-            self._m1_scan_bwd(s, sc, B, L, di, R, delta, dlu, u, xz, xdbl, spre, dyg, dys, A_log,
-                              D, yg, dxz, ds, dus, dxdbl, g_A)
+            self._m1_scan_bwd(s, sc, B, L, di, R, delta, u, xz, xdbl, spre, dyg, dys, A_log, D,
+                              yg, dxz, ds, dus, dxdbl, g_A)
 
-            # per-channel vectors and the projections
+            # per-channel vectors and the projections; buffers dead by then are reused
+            # (dux in dyg, dxn in yg, xr in spre), as reference/back1.c does
             self.g_colfold(s, sc, B, L, di, dys, di, g_D, b=u, ldb=di)
             self.g_colfold(s, sc, B, L, di, ds, di, g_dtb)
-            dux = sc(M * di)
+            dux, dxn, xr = dyg, yg, spre
             self.g_linear_bwd(s, sc, M, dm, di, yg, di, out_proj, di, dyd, dm, gW=g_out)
             self.g_linear_bwd(s, sc, M, di, R, xdbl, XR, dt_w, R, ds, di, gW=g_dtw, dX=dxdbl,
                               lddx=XR)
@@ -78,7 +91,6 @@ class Back1Mixin:
             self._launch(s, "mb_m1b_du_k", (grid(M * di),), C.THREADS, M, di, dux, dus, dys, D)
             self.g_conv_silu_bwd(s, sc, B, L, di, dux, di, pre, di, xz, 2 * di, conv_w, g_cw,
                                  g_cb, dxz, 2 * di)
-            dxn, xr = sc(M * dm), sc(M * dm)
             self.g_linear_bwd(s, sc, M, 2 * di, dm, xn, dm, in_proj, dm, dxz, 2 * di, gW=g_in,
                               dX=dxn, lddx=dm)
 
@@ -88,29 +100,38 @@ class Back1Mixin:
             self.g_add(s, M * dm, g_x, dyd, g_x)
             self._finish(st, back)
 
-    def _m1_scan_bwd(self, s, sc, B, L, di, R, delta, dlu, u, xz, xdbl, spre, dyg, dys, A_log,
-                     D, yg, dxz, ds, dus, dxdbl, g_A):
+    def _m1_scan_bwd(self, s, sc, B, L, di, R, delta, u, xz, xdbl, spre, dyg, dys, A_log, D,
+                     yg, dxz, ds, dus, dxdbl, g_A):
         from . import _cuda as C
         M, per, nch = B * L, di * NS, _cdiv(L, TC)
-        ck, hk = sc(B * nch * 2 * per), sc(B * nch * per)
-        self._launch(s, "mb_m1b_carry_k", (_cdiv(per, C.THREADS), min(B, GRID_Y), 2), C.THREADS,
-                     B, L, di, R, delta, u, dys, xdbl, A_log, ck, hk)
-        P = _cdiv(M, C.LEAF)
+        P, Pc = _cdiv(M, C.LEAF), _cdiv(di, C.LEAF)
         leaves = sc(P * per)
-        nj = max(1, self.m1_window_bytes // (3 * 4 * TC * per))
-        H, DH, WV = (sc(min(nj * TC, M) * per) for _ in range(3))
+        nbw = max(1, min(B, self.m1_window_bytes // (2 * 4 * nch * per)))
+        dhk, hk = sc(nbw * nch * per), sc(nbw * nch * per)
 
-        def start(j):  # the flat token where chunk j (row j // nch, chunk j % nch) starts
-            return M if j == B * nch else j // nch * L + j % nch * TC
-        for j0 in range(0, B * nch, nj):
-            j1 = min(j0 + nj, B * nch)
-            m0, m1 = start(j0), start(j1)
-            self._launch(s, "mb_m1b_chunk_k", (_cdiv(di, CHUNK_THREADS), min(j1 - j0, GRID_Y)),
-                         CHUNK_THREADS, L, di, R, j0, j1 - j0, m0, delta, u, xz, xdbl, spre, dyg,
-                         dys, A_log, D, ck, hk, H, DH, WV, yg, dxz, ds, dus)
-            self._launch(s, "mb_m1b_fold_bc_k", (self._grid((m1 - m0) * NS),), C.THREADS,
-                         di, R, m0, m1 - m0, dlu, dys, H, DH, dxdbl)
-            self._launch(s, "mb_m1b_fold_a_k", (self._grid(per),), C.THREADS,
-                         di, m0, m1, delta, WV, leaves)
+        def inner_starts(b):  # does row b hold a leaf start past its first token?
+            return (b * L // C.LEAF + 1) * C.LEAF < (b + 1) * L
+        hL = sc(P * per) if any(inner_starts(b) for b in range(B)) else 0
+        cparts = sc(Pc * M * 2 * NS) if Pc > 1 else 0
+        lanes = _cdiv(di, LANE_CH)
+        for b0 in range(0, B, nbw):
+            nb = min(nbw, B - b0)
+            m0, m1 = b0 * L, (b0 + nb) * L
+            rows = (lanes, min(nb, GRID_Y))
+            self._launch(s, "mb_m1b_dhc_k", rows, LANE_CH * NS, L, di, R, b0, nb, delta, dys,
+                         xdbl, A_log, dhk)
+            if any(inner_starts(b) for b in range(b0, b0 + nb)):
+                self._launch(s, "mb_m1b_lead_k", rows, LANE_CH * NS, L, di, R, b0, nb, delta,
+                             u, xdbl, A_log, hL)
+            nleaves = (m1 - 1) // C.LEAF - m0 // C.LEAF + 1
+            self._launch(s, "mb_m1b_fwd_k", (lanes, min(nleaves, GRID_Y)), LANE_CH * NS, L, di,
+                         R, b0, nb, delta, u, dys, xdbl, A_log, dhk, hL, hk, leaves)
+            self._launch(s, "mb_m1b_chunk_k", (nb * nch,), CHUNK_THREADS, L, di, R, b0, nb, M,
+                         delta, u, xz, xdbl, spre, dyg, dys, A_log, D, dhk, hk, yg, dxz, ds, dus,
+                         dxdbl, cparts, smem=CHUNK_SMEM)
+        if Pc > 1:  # dB, dC past 8192 channels: join their leaves
+            self._launch(s, "mb_dot_fold_k", (self._grid(M * 2 * NS),), C.THREADS, Pc, M,
+                         2 * NS, cparts, M * 2 * NS, _cuda_grad._addr(dxdbl) + 4 * R, R + 2 * NS,
+                         0, 0, 0)
         self._launch(s, "mb_m1b_alog_k", (self._grid(per),), C.THREADS, per, P, leaves, A_log,
                      g_A)

@@ -14,7 +14,41 @@
 #define GR_KC 64       /* columns per shared-memory stage of it (divides 8192) */
 #define GR_THREADS 128
 #define TAPS 4
-#define GR_U 16        /* terms of a chain loaded ahead (mb_chain_run) */
+#define GR_U 32        /* terms of a chain loaded ahead (mb_chain_run) */
+
+/* A grid-stride walk over the elements (m, c) of an M x C array in flat order, with
+ * t = m % L (L = 1 where unused), stepped by additions: a 64-bit division per element
+ * would cost these element-wise kernels more than their memory traffic. */
+struct mb_walk {
+    int64_t m, c, t, dm, dc, dt, C, L;
+};
+
+MB_DEV mb_walk mb_walk_first(int64_t M, int64_t C, int64_t L)
+{
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t n = (int64_t)gridDim.x * blockDim.x;
+    mb_walk w = {M, 0, 0, 0, 0, 0, C, L};
+    if (C > 0) {
+        w.m = i / C;
+        w.c = i % C;
+        w.t = w.m % L;
+        w.dm = n / C;
+        w.dc = n % C;
+        w.dt = w.dm % L;
+    }
+    return w;
+}
+
+MB_DEV void mb_walk_next(mb_walk &w)
+{
+    const int64_t k = w.c + w.dc >= w.C; /* the step carries into m */
+    w.c += w.dc - (k ? w.C : 0);
+    w.m += w.dm + k;
+    w.t += w.dt + k;
+    if (w.t >= w.L) w.t -= w.L;
+}
+
+#define MB_WALK(w, M, C, L) for (mb_walk w = mb_walk_first((M), (C), (L)); w.m < (M); mb_walk_next(w))
 
 /* silu'(z) = s (1 + z (1 - s)), s = sigmoid(z), each operation rounded: the device
  * twin of reference/grad.h's mb_dsilu (that header is host-only). */
@@ -137,8 +171,8 @@ MB_KERNEL void mb_rms_bwd_apply_k(int64_t M, int64_t n, const float *x, int64_t 
                                   const float *rc, float *dx, int64_t lddx, float *xr,
                                   int64_t ldxr)
 {
-    MB_GRID_LOOP(i, M * n) {
-        const int64_t m = i / n, j = i % n;
+    MB_WALK(ix, M, n, 1) {
+        const int64_t m = ix.m, j = ix.c;
         const float r = rc[2 * m], xv = x[m * ldx + j];
         dx[m * lddx + j] = ((dout[m * ldd + j] * w[j]) * r) + (xv * rc[2 * m + 1]);
         if (xr) xr[m * ldxr + j] = xv * r;
@@ -209,8 +243,8 @@ MB_KERNEL void mb_conv_pre_k(int64_t B, int64_t L, int64_t C, const float *in, i
                              const float *w, const float *bias, float *pre, int64_t ldp,
                              float *u, int64_t ldu)
 {
-    MB_GRID_LOOP(i, B * L * C) {
-        const int64_t m = i / C, c = i % C, t = m % L;
+    MB_WALK(ix, B * L, C, L) {
+        const int64_t m = ix.m, c = ix.c, t = ix.t;
         float acc = bias[c];
 #pragma unroll
         for (int k = 0; k < TAPS; k++) {
@@ -226,8 +260,8 @@ MB_KERNEL void mb_conv_pre_k(int64_t B, int64_t L, int64_t C, const float *in, i
 MB_KERNEL void mb_dsilu_mul_k(int64_t M, int64_t C, float *d, int64_t ldd, const float *pre,
                               int64_t ldp)
 {
-    MB_GRID_LOOP(i, M * C) {
-        const int64_t m = i / C, c = i % C;
+    MB_WALK(ix, M, C, 1) {
+        const int64_t m = ix.m, c = ix.c;
         d[m * ldd + c] = d[m * ldd + c] * mb_dsilu(pre[m * ldp + c]);
     }
 }
@@ -237,8 +271,8 @@ MB_KERNEL void mb_dsilu_mul_k(int64_t M, int64_t C, float *d, int64_t ldd, const
 MB_KERNEL void mb_conv_bwd_dx_k(int64_t B, int64_t L, int64_t C, const float *d, int64_t ldd,
                                 const float *w, float *dx, int64_t ldx)
 {
-    MB_GRID_LOOP(i, B * L * C) {
-        const int64_t m = i / C, c = i % C, t = m % L;
+    MB_WALK(ix, B * L, C, L) {
+        const int64_t m = ix.m, c = ix.c, t = ix.t;
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k < TAPS; k++)
