@@ -2,9 +2,12 @@
  * from +0 over each leaf of 8192 k, leaves joined by the pairwise tree. Vectors run
  * across outputs only, never across k, so every ISA copy gives the same bits.
  *
- * Two paths. Large M: a task packs one NR-row panel of W transposed (k-major) and
- * runs a block of X rows past it in MR x NR register tiles (X broadcast). Small M (decode): a GEMV that reads W rows in place, transposing 8x8
- * blocks in registers, four chains in flight. Both share W's rows between threads. */
+ * Two paths. Large M: a task packs one NR-column panel of the right operand k-major
+ * (transposing W's rows, or copying the rows of a k-major B) and runs a block of rows
+ * of the left operand past it in MR x NR register tiles (left operand broadcast, read
+ * in place with any strides). Small M (decode): a GEMV that reads W rows in place,
+ * transposing 8x8 blocks in registers, four chains in flight. Both share W's rows
+ * between threads. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,7 +65,8 @@ static void dot_v1_tile(leaf_fn f, const void *arg, int64_t K, int n, float *t)
 
 typedef struct {
     const float *x[MR]; /* rows past M repeat the last one; their outputs are dropped */
-    const float *wp;    /* panel: wp[k*NR + j] = W[n0 + j][k], zero past N */
+    int64_t sx;         /* their stride along k */
+    const float *wp;    /* panel: wp[k*NR + j] = column n0 + j of the right operand at k, zero past N */
 } tile_arg;
 
 /* The tile's MR x NR chains over k in [k0, k0 + kl), the first mr rows stored into
@@ -72,8 +76,11 @@ static inline __attribute__((always_inline)) void tile_run(const tile_arg *a, in
                                                            int64_t ldo, int mr)
 {
     const float *x[MR];
-    for (int i = 0; i < MR; i++) x[i] = a->x[i] + k0;
-    mb_tile(MR, NV, kl, 0, x, 1, a->wp + k0 * NR, NR, out, ldo, mr);
+    for (int i = 0; i < MR; i++) x[i] = a->x[i] + k0 * a->sx;
+    if (a->sx == 1) /* rows in place */
+        mb_tile(MR, NV, kl, 0, x, 1, a->wp + k0 * NR, NR, out, ldo, mr);
+    else /* rows packed k-major */
+        mb_tile(MR, NV, kl, 0, x, MR, a->wp + k0 * NR, NR, out, ldo, mr);
 }
 
 static void tile_leaf(const void *arg, int64_t k0, int64_t kl, float *t)
@@ -138,43 +145,95 @@ static void pack_panel(int64_t N, int64_t K, const float *W, int64_t ldw, int64_
         for (k = 0; k < K; k++) wp[k * NR + j] = 0.0f;
 }
 
-static int gemm_packed(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
-                       const float *W, int64_t ldw, float *Y, int64_t ldy)
+/* The same panel from a k-major B (N columns, rows ldb apart): a copy. */
+static void pack_rows(int64_t N, int64_t K, const float *B, int64_t ldb, int64_t n0, float *wp)
 {
-    /* A task is one panel of W against a block of rows of X: the panel is packed by
-     * the thread that uses it, into its own scratch, and stays hot in L2 (K*64 bytes)
-     * while the block's tiles stream past it. Blocks are tall enough that repacking a
-     * panel per block costs a few percent, short enough to give both cores work. */
+    const int nr = N - n0 < NR ? (int)(N - n0) : NR;
+    for (int64_t k = 0; k < K; k++) {
+        const float *b = B + k * ldb + n0;
+        float *o = wp + k * NR;
+        if (nr == NR)
+            memcpy(o, b, NR * sizeof(float));
+        else
+            for (int j = 0; j < NR; j++) o[j] = j < nr ? b[j] : 0.0f;
+    }
+}
+
+/* The operands of the packed path: the left one A[m*sam + k*sak]; the right one W
+ * (N, K) row-major (trans) or B (K, N) row-major. */
+typedef struct {
+    const float *a;
+    int64_t sam, sak;
+    const float *w;
+    int64_t ldw;
+    int trans;
+} operands;
+
+/* Rows [m0, m0 + MR) of the left operand k-major into ap (ap[k*MR + i]; rows past M
+ * repeat the last one): one streaming pass instead of strided broadcasts. */
+static void pack_left(int64_t M, int64_t K, const operands *op, int64_t m0, float *ap)
+{
+    const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+    const float *x[MR];
+    for (int i = 0; i < MR; i++) x[i] = op->a + (m0 + (i < mr ? i : mr - 1)) * op->sam;
+    if (op->sam == 1 && mr == MR) /* A^T: MR consecutive floats per k */
+        for (int64_t k = 0; k < K; k++) memcpy(ap + k * MR, x[0] + k * op->sak, MR * sizeof(float));
+    else
+        for (int64_t k = 0; k < K; k++)
+            for (int i = 0; i < MR; i++) ap[k * MR + i] = x[i][k * op->sak];
+}
+
+static int gemm_packed(int64_t M, int64_t N, int64_t K, const operands *op, float *Y, int64_t ldy)
+{
+    /* A task is a block of rows of the left operand against one panel of the right
+     * one: the panel is packed by the thread that uses it, into its own scratch, and
+     * stays hot in L2 (K*64 bytes) while the block's tiles stream past it. Blocks are
+     * tall enough that repacking a panel per block costs a few percent, short enough
+     * to give both cores work. A left operand with strided rows (sak != 1) is packed
+     * too, once per task: its tasks take every panel in turn, with blocks short
+     * enough that the packed rows stay in L2 beside the panel. */
+    const int pl = op->sak != 1;
     int64_t np = (N + NR - 1) / NR, kl = K < LEAF ? K : LEAF;
-    int64_t mb = (1 << 18) / kl / MR * MR;
-    mb = mb < 96 ? 96 : mb > 384 ? 384 : mb;
-    int64_t nmb = (M + mb - 1) / mb;
+    int64_t mb = (1 << (pl ? 17 : 18)) / kl / MR * MR;
+    mb = pl ? (mb < MR ? MR : mb > 128 ? 128 / MR * MR : mb) : (mb < 96 ? 96 : mb > 384 ? 384 : mb);
+    int64_t nmb = (M + mb - 1) / mb, ntask = pl ? nmb : nmb * np;
     int par = M * N * K >= MIN_PAR, nt = par ? mb_max_threads() : 1;
-    const int64_t per = (NR * K + 15) & ~(int64_t)15; /* whole cache lines per thread */
+    /* whole cache lines per thread: the panel, and the packed left rows */
+    const int64_t per = ((NR + (pl ? mb : 0)) * K + 15) & ~(int64_t)15;
     float *scratch = aligned_alloc(64, (size_t)(nt * per) * sizeof(float));
     if (!scratch) return 0;
 #pragma omp parallel num_threads(nt) if (par)
     {
         mb_fpenv fe = mb_fpenv_enter();
-        float *wp = scratch + mb_thread_num() * per;
+        float *wp = scratch + mb_thread_num() * per, *ap = wp + NR * K;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < nmb * np; task++) {
-            int64_t p = task % np, m0 = task / np * mb, m1 = m0 + mb < M ? m0 + mb : M;
-            int nr = N - p * NR < NR ? (int)(N - p * NR) : NR;
-            tile_arg a;
-            float t[MR * NR];
-            pack_panel(N, K, W, ldw, p * NR, wp);
-            a.wp = wp;
-            for (int64_t m = m0; m < m1; m += MR) {
-                int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                for (int i = 0; i < MR; i++) a.x[i] = X + (m + (i < mr ? i : mr - 1)) * ldx;
-                if (K <= LEAF && nr == NR) { /* one leaf, whole columns: straight into Y */
-                    tile_run(&a, 0, K, Y + m * ldy + p * NR, ldy, mr);
-                    continue;
+        for (int64_t task = 0; task < ntask; task++) {
+            const int64_t m0 = (pl ? task : task / np) * mb, m1 = m0 + mb < M ? m0 + mb : M;
+            const int64_t p0 = pl ? 0 : task % np, p1 = pl ? np : p0 + 1;
+            if (pl)
+                for (int64_t m = m0; m < m1; m += MR) pack_left(M, K, op, m, ap + (m - m0) * K);
+            for (int64_t p = p0; p < p1; p++) {
+                int nr = N - p * NR < NR ? (int)(N - p * NR) : NR;
+                tile_arg a;
+                float t[MR * NR];
+                if (op->trans)
+                    pack_panel(N, K, op->w, op->ldw, p * NR, wp);
+                else
+                    pack_rows(N, K, op->w, op->ldw, p * NR, wp);
+                a.wp = wp;
+                a.sx = pl ? MR : 1;
+                for (int64_t m = m0; m < m1; m += MR) {
+                    int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                    for (int i = 0; i < MR; i++)
+                        a.x[i] = pl ? ap + (m - m0) * K + i : op->a + (m + (i < mr ? i : mr - 1)) * op->sam;
+                    if (K <= LEAF && nr == NR) { /* one leaf, whole columns: straight into Y */
+                        tile_run(&a, 0, K, Y + m * ldy + p * NR, ldy, mr);
+                        continue;
+                    }
+                    dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
+                    for (int i = 0; i < mr; i++)
+                        memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));
                 }
-                dot_v1_tile(tile_leaf, &a, K, MR * NR, t);
-                for (int i = 0; i < mr; i++)
-                    memcpy(Y + (m + i) * ldy + p * NR, t + i * NR, (size_t)nr * sizeof(float));
             }
         }
         mb_fpenv_exit(fe);
@@ -283,6 +342,20 @@ void MB_ISA_FN(mb_gemm)(int64_t M, int64_t N, int64_t K, const float *X, int64_t
         return;
     }
     /* The packed path falls back to the in-place one if its scratch is refused. */
-    if (M <= SMALL_M || !gemm_packed(M, N, K, X, ldx, W, ldw, Y, ldy))
+    const operands op = {X, ldx, 1, W, ldw, 1};
+    if (M <= SMALL_M || !gemm_packed(M, N, K, &op, Y, ldy))
         gemm_rows(M, N, K, X, ldx, W, ldw, Y, ldy);
+}
+
+int MB_ISA_FN(mb_gemm_kn)(int64_t M, int64_t N, int64_t K, const float *A, int64_t sam,
+                          int64_t sak, const float *B, int64_t ldb, float *Y, int64_t ldy)
+{
+    if (M <= 0 || N <= 0)
+        return 1;
+    if (K <= 0) {
+        for (int64_t m = 0; m < M; m++) memset(Y + m * ldy, 0, (size_t)N * sizeof(float));
+        return 1;
+    }
+    const operands op = {A, sam, sak, B, ldb, 0};
+    return gemm_packed(M, N, K, &op, Y, ldy);
 }

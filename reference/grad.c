@@ -105,18 +105,10 @@ int MB_ISA_FN(mb_linear_bwd)(int64_t M, int64_t N, int64_t K, const float *X, in
                              const float *W, int64_t ldw, const float *dY, int64_t ldy,
                              float *gW, float *dX, int64_t lddx)
 {
-    float *dYT = malloc((size_t)((N + K) * M + (dX ? K * N : 0)) * sizeof(float));
-    if (!dYT)
+    if (!MB_ISA_FN(mb_gemm_kn)(N, K, M, dY, 1, ldy, X, ldx, gW, K))
         return MB_ENOMEM;
-    float *XT = dYT + N * M, *WT = XT + K * M;
-    MB_ISA_FN(mb_transpose)(M, N, dY, ldy, dYT, M);
-    MB_ISA_FN(mb_transpose)(M, K, X, ldx, XT, M);
-    MB_ISA_FN(mb_gemm)(N, K, M, dYT, M, XT, M, gW, K);
-    if (dX) {
-        MB_ISA_FN(mb_transpose)(N, K, W, ldw, WT, N);
-        MB_ISA_FN(mb_gemm)(M, K, N, dY, ldy, WT, N, dX, lddx);
-    }
-    free(dYT);
+    if (dX && !MB_ISA_FN(mb_gemm_kn)(M, K, N, dY, ldy, 1, W, ldw, dX, lddx))
+        return MB_ENOMEM;
     return MB_OK;
 }
 

@@ -14,6 +14,23 @@ static inline float mb_dsilu(float z)
     return s * (1.0f + z * (1.0f - s));
 }
 
+/* out[r * so] = mb_dot(n, a + r * lda, 1, b + r * ldb, 1) for r < R: eight rows' chains
+ * at a time, interleaved so that their latencies overlap. */
+static inline void mb_dot_rows(int64_t R, int64_t n, const float *a, int64_t lda,
+                               const float *b, int64_t ldb, float *out, int64_t so)
+{
+    int64_t r = 0;
+    if (n <= MB_DOT_LEAF)
+        for (; r + 8 <= R; r += 8) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t k = 0; k < n; k++)
+                for (int j = 0; j < 8; j++)
+                    acc[j] = fmaf(a[(r + j) * lda + k], b[(r + j) * ldb + k], acc[j]);
+            for (int j = 0; j < 8; j++) out[(r + j) * so] = acc[j];
+        }
+    for (; r < R; r++) out[r * so] = mb_dot(n, a + r * lda, 1, b + r * ldb, 1);
+}
+
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols. */
 void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64_t lds,
                              float *dst, int64_t ldd);
@@ -39,9 +56,9 @@ float MB_ISA_FN(mb_fold_flat)(int64_t rows, int64_t cols, const float *a, int64_
                               const float *b, int64_t ldb);
 
 /* Backward of a linear layer Y = X . W^T (mb_gemm) over M tokens, X (M, K), W (N, K),
- * given dY (M, N): gW (N, K) = the fold over the tokens of dY[m][n] * X[m][k] (mb_gemm on
- * transposed copies, so k = M is contiguous); dX (M, K) = dY . W, dot v1 over n (skipped
- * when dX is NULL). Returns MB_OK or MB_ENOMEM (scratch). */
+ * given dY (M, N): gW (N, K) = the fold over the tokens of dY[m][n] * X[m][k]; dX (M, K)
+ * = dY . W, dot v1 over n (skipped when dX is NULL). Both read their operands in place
+ * (mb_gemm_kn). Returns MB_OK or MB_ENOMEM (scratch). */
 int MB_ISA_FN(mb_linear_bwd)(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                              const float *W, int64_t ldw, const float *dY, int64_t ldy,
                              float *gW, float *dX, int64_t lddx);
