@@ -17,6 +17,7 @@
 #include "grad.h"
 #include "block1.h"
 #include "fpenv.h"
+#include "scratch.h"
 
 #define NS MB_M1_NS
 #define CB 64 /* channels per scan task */
@@ -254,7 +255,7 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     const int nth = mb_max_threads();
     const int64_t sz[] = {
         M * dm, 2 * M * di, M * di, M * di, M * XR, M * di, M * di, /* the front's activations */
-        NS * di, B * di * 4, di * dm,                               /* AT, window, out_proj^T */
+        NS * di, B * di * 4,                                        /* AT, window */
         M * di, M * di, M * di, M * di, M * di, M * XR, 2 * M * di, /* dyg dys yg ds dus dxdbl dxz */
         B * nch * 2 * NS * di, 2 * TC * di * NS,                    /* carries; hc, dhc */
         (P + 1) * nblk * NS * CB, (int64_t)nth * 2 * TC * NS * CB,  /* hcar, gA, leaves; scratch */
@@ -264,9 +265,9 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     for (int i = 0; i < nb; i++)
         total += sz[i];
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
-    float *buf = aligned_alloc(64, (size_t)(total + 16) / 16 * 16 * sizeof(float));
+    float *buf = mb_scratch_take((size_t)total);
     if (!buf || !off) {
-        free(buf);
+        mb_scratch_give(buf);
         free(off);
         return MB_ENOMEM;
     }
@@ -275,8 +276,8 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     for (int i = 1; i < nb; i++)
         p[i] = p[i - 1] + sz[i - 1];
     float *xn = p[0], *xz = p[1], *pre = p[2], *u = p[3], *xdbl = p[4], *spre = p[5];
-    float *delta = p[6], *AT = p[7], *win = p[8], *WoT = p[9], *dyg = p[10], *dys = p[11];
-    float *yg = p[12], *ds = p[13], *dus = p[14], *dxdbl = p[15], *dxz = p[16];
+    float *delta = p[6], *AT = p[7], *win = p[8], *dyg = p[9], *dys = p[10];
+    float *yg = p[11], *ds = p[12], *dus = p[13], *dxdbl = p[14], *dxz = p[15];
     int rc = MB_OK;
 
     mb_row_offsets(B, L, NULL, off);
@@ -287,8 +288,11 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
             AT[n * di + ch] = -mb_exp(w->A_log[ch * NS + n]);
 
     /* gate input: dyg = dout . out_proj (dot v1 over dm); dys = dyg * silu(z) */
-    MB_ISA_FN(mb_transpose)(dm, di, w->out_proj, di, WoT, dm);
-    MB_ISA_FN(mb_gemm)(M, di, dm, dy, dm, WoT, dm, dyg, di);
+    if (!MB_ISA_FN(mb_gemm_kn)(M, di, dm, dy, dm, 1, w->out_proj, di, dyg, di)) {
+        mb_scratch_give(buf);
+        free(off);
+        return MB_ENOMEM;
+    }
     #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
     for (int64_t m = 0; m < M; m++) {
         mb_fpenv env = mb_fpenv_enter();
@@ -297,12 +301,12 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
         mb_fpenv_exit(env);
     }
 
-    float *gA = p[19] + nblk * NS * CB;
+    float *gA = p[18] + nblk * NS * CB;
     memset(gA, 0, (size_t)(nblk * NS * CB) * sizeof(float));
     const sctx c = {B, L, di, R, XR, nch, nblk, delta, u, xz, xdbl, spre, AT, w->D, dyg, dys,
-                    p[17], p[19], gA, gA + nblk * NS * CB, p[18], p[18] + TC * di * NS,
+                    p[16], p[18], gA, gA + nblk * NS * CB, p[17], p[17] + TC * di * NS,
                     yg, dxz + di, ds, dus, dxdbl};
-    scan_bwd(&c, (tile *)p[20]);
+    scan_bwd(&c, (tile *)p[19]);
 
     /* A_log: the fold of each (c, n) chain's leaves, times A = -exp(A_log) */
     for (int64_t blk = 0; blk < nblk; blk++)
@@ -330,11 +334,15 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
                                       dux, di);
     if (rc == MB_OK) {
         /* du = (x_proj's + the scan's) + the D skip's */
-        for (int64_t m = 0; m < M; m++)
+        #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
+        for (int64_t m = 0; m < M; m++) {
+            mb_fpenv env = mb_fpenv_enter();
             for (int64_t ch = 0; ch < di; ch++) {
                 const int64_t i = m * di + ch;
                 dux[i] = (dux[i] + dus[i]) + dys[i] * w->D[ch];
             }
+            mb_fpenv_exit(env);
+        }
         MB_ISA_FN(mb_conv_silu_bwd)(B, L, di, dux, di, pre, di, xz, 2 * di, w->conv_w,
                                     gr->conv_w, gr->conv_b, dxz, 2 * di);
         rc = MB_ISA_FN(mb_linear_bwd)(M, 2 * di, dm, xn, dm, w->in_proj, dm, dxz, 2 * di,
@@ -347,7 +355,7 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
         for (int64_t i = 0; i < M * dm; i++)
             gr->x[i] = gr->x[i] + dy[i];
     }
-    free(buf);
+    mb_scratch_give(buf);
     free(off);
     return rc;
 }

@@ -17,6 +17,8 @@
 #include "grad.h"
 #include "block2.h"
 #include "fpenv.h"
+#include "scratch.h"
+#include "simd.h"
 
 #define NS MB_M2_NS
 #define HP MB_M2_HP
@@ -37,13 +39,39 @@ typedef struct {
 #define TR MB_M2_TR
 #define MM MB_ISA_FN(mb_m2_mm64)
 
-/* Per-thread scratch of the SSD backward, in floats. */
-#define BSCR (CQ * CQ + 5 * CQ * HP + 4 * NS * HP + 2 * CQ * NS + TR * CQ + 11 * CQ)
+/* Row strides of the chunk's scratch matrices: a column walk at a power-of-two stride
+ * would fall in a few cache sets. */
+#define LDM (CQ + 16) /* (CQ, CQ) and (HP, CQ) */
+#define LDC (NS + 16) /* the chunk's copy of C */
 
-static float dsilu(float z)
+/* Per-thread scratch of the SSD backward, in floats. */
+#define BSCR (CQ * LDM + HP * LDM + CQ * LDC + 4 * CQ * HP + 4 * NS * HP + 2 * CQ * NS \
+              + 2 * TR * CQ + 12 * CQ)
+
+/* The tile's rows i0 + r (r < R) of seg's gradient: dA[m] gets row i's prefix of dseg
+ * below m (seg[i][j] holds dA[j+1..i]), the rows' prefix chains interleaved and each
+ * sacc[m] taking them in ascending row order. */
+static inline __attribute__((always_inline)) void seg_prefix(const int R, int64_t i0,
+                                                             const float *dsg, float *sacc)
 {
-    const float s = mb_sigmoid(z);
-    return s * (1.0f + z * (1.0f - s));
+    float pre[TR];
+    for (int r = 0; r < R; r++) pre[r] = 0.0f;
+    for (int64_t m = 1; m <= i0; m++) {
+        float sa = sacc[m];
+        for (int r = 0; r < R; r++) {
+            pre[r] = pre[r] + dsg[r * CQ + m - 1];
+            sa = sa + pre[r];
+        }
+        sacc[m] = sa;
+    }
+    for (int64_t m = i0 + 1; m < i0 + R; m++) {
+        float sa = sacc[m];
+        for (int r = (int)(m - i0); r < R; r++) {
+            pre[r] = pre[r] + dsg[r * CQ + m - 1];
+            sa = sa + pre[r];
+        }
+        sacc[m] = sa;
+    }
 }
 
 /* One (row, head): every chunk from the last to the first, dh the gradient of the
@@ -53,13 +81,13 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
     const mb_m2_weights *w = c->w;
     const int64_t L = c->L, nk = c->nk, di = c->di, H = c->H, CD = c->CD, NP = c->NP;
     const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h], Dh = w->D[h];
-    float *Mf = scr, *Xd = Mf + CQ * CQ, *XdT = Xd + CQ * HP, *dyo = XdT + HP * CQ;
-    float *dXd = dyo + CQ * HP, *tmpv = dXd + CQ * HP, *hP = tmpv + CQ * HP;
+    float *Mf = scr, *XdT = Mf + CQ * LDM, *Cc = XdT + HP * LDM, *Xd = Cc + CQ * LDC;
+    float *dyo = Xd + CQ * HP, *dXd = dyo + CQ * HP, *tmpv = dXd + CQ * HP, *hP = tmpv + CQ * HP;
     float *dh = hP + HP * NS, *dhP = dh + NS * HP, *dhn = dhP + HP * NS;
-    float *Bd = dhn + NS * HP, *dBd = Bd + CQ * NS, *dMt = dBd + CQ * NS;
-    float *dt = dMt + TR * CQ, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
+    float *Bd = dhn + NS * HP, *dBd = Bd + CQ * NS, *dMt = dBd + CQ * NS, *dsg = dMt + TR * CQ;
+    float *dt = dsg + TR * CQ, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
     float *sacc = s + CQ, *dcs = sacc + CQ, *tmp = dcs + CQ, *vpre = tmp + CQ;
-    float *dseg = vpre + CQ, *live = dseg + CQ;
+    float *dec = vpre + CQ, *live = dec + CQ, *dots = live + CQ;
     memset(dh, 0, NS * HP * sizeof(float));
 
     for (int64_t k = nk - 1; k >= 0; k--) {
@@ -81,12 +109,12 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
             cs[i] = acc;
             ev[i] = mb_exp(cs[i]);
         }
-        for (int64_t i = 0; i < n; i++)
-            for (int p = 0; p < HP; p++) {
-                Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
-                XdT[p * CQ + i] = Xd[i * HP + p];
-            }
-        MB_ISA_FN(mb_transpose)(NS, HP, hprev, HP, hP, NS);
+        for (int64_t i = 0; i < n; i++) {
+            for (int p = 0; p < HP; p++) Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
+            memcpy(Cc + i * LDC, u + i * CD + di + NS, NS * sizeof(float));
+        }
+        mb_transpose_tile(n, HP, Xd, HP, XdT, LDM);
+        mb_transpose_tile(NS, HP, hprev, HP, hP, NS);
 
         /* per tile of output rows: dM, dG, dseg, the Y_off terms. Chains that run past
          * their last live term (j > i here, i < j in dXd and dB) meet +0 entries:
@@ -95,50 +123,51 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
         for (int64_t i0 = 0; i0 < n; i0 += TR) {
             const int R = n - i0 < TR ? (int)(n - i0) : TR;
             for (int64_t jb = 0; jb < i0 + R; jb += HP)
-                MM(R, HP, dY + i0 * di, di, 1, XdT + jb, CQ, dMt + jb, CQ);
-            MM(R, NS, u + i0 * CD + di + NS, CD, 1, hprev, HP, tmpv, HP); /* C_i . h_prev */
+                MM(R, HP, dY + i0 * di, di, 1, XdT + jb, LDM, dMt + jb, CQ);
+            MM(R, NS, Cc + i0 * LDC, LDC, 1, hprev, HP, tmpv, HP); /* C_i . h_prev */
+            mb_dot_rows(R, HP, dY + i0 * di, di, tmpv, HP, dcs + i0, 1);
             for (int r = 0; r < R; r++) {
                 const int64_t i = i0 + r;
                 const float *dYi = dY + i * di, *Gi = G + i * CQ, *dMi = dMt + r * CQ;
                 for (int64_t j = 0; j < i; j++) s[j] = s[j] + dA[i];
                 s[i] = 0.0f;
-                float *dg = c->dGh + ((t0 + i) * H + h) * CQ;
-                for (int64_t j = 0; j <= i; j++) {
-                    const float lm = mb_exp(s[j]);
-                    Mf[i * CQ + j] = Gi[j] * lm;
-                    dg[j] = dMi[j] * lm;
-                    dseg[j] = (dMi[j] * Gi[j]) * lm;
+                float *dg = c->dGh + ((t0 + i) * H + h) * CQ, *mf = Mf + i * LDM, *ds = dsg + r * CQ;
+                for (int64_t j = 0; j <= i; j += MB_VW) {
+                    const int nn = i + 1 - j < MB_VW ? (int)(i + 1 - j) : MB_VW;
+                    const mb_vf lm = mb_vexp(mb_vldn(s + j, nn)), g = mb_vldn(Gi + j, nn);
+                    const mb_vf dm = mb_vldn(dMi + j, nn);
+                    mb_vstn(mf + j, mb_vmul(g, lm), nn);
+                    mb_vstn(dg + j, mb_vmul(dm, lm), nn);
+                    mb_vstn(ds + j, mb_vmul(mb_vmul(dm, g), lm), nn);
                 }
-                for (int64_t j = i + 1; j < n; j++) Mf[i * CQ + j] = 0.0f;
-                /* seg[i][j] holds dA[j+1..i]: dA[m] gets the prefix of row i below m */
-                float pre = 0.0f;
-                for (int64_t m = 1; m <= i; m++) {
-                    pre = pre + dseg[m - 1];
-                    sacc[m] = sacc[m] + pre;
-                }
-                dcs[i] = mb_dot(HP, dYi, 1, tmpv + r * HP, 1) * ev[i];
+                for (int64_t j = i + 1; j < n; j++) mf[j] = 0.0f;
+                dcs[i] = dcs[i] * ev[i];
                 float *dyr = dyo + i * HP;
                 for (int p = 0; p < HP; p++) dyr[p] = dYi[p] * ev[i];
             }
+            if (R == TR)
+                seg_prefix(TR, i0, dsg, sacc);
+            else
+                seg_prefix(R, i0, dsg, sacc);
             float *dco = c->dCoff + ((t0 + i0) * H + h) * NS;
             MM(R, HP, dyo + i0 * HP, HP, 1, hP, NS, dco, H * NS);
             MM(R, HP, dyo + i0 * HP, HP, 1, hP + HP, NS, dco + HP, H * NS);
         }
         /* dXd[j] = sum over i >= j of M[i][j] dY[i] */
         for (int64_t j0 = 0; j0 < n; j0 += TR)
-            MM(n - j0 < TR ? (int)(n - j0) : TR, n - j0, Mf + j0 * CQ + j0, 1, CQ, dY + j0 * di, di,
+            MM(n - j0 < TR ? (int)(n - j0) : TR, n - j0, Mf + j0 * LDM + j0, 1, LDM, dY + j0 * di, di,
                dXd + j0 * HP, HP);
         /* the chunk's fold h = fma(exp(cs_last), h_prev, Bd^T . Xd), when its result is used */
         float E = 0.0f;
         if (folded) {
             const float last = cs[n - 1];
             E = mb_exp(last);
-            MB_ISA_FN(mb_transpose)(NS, HP, dh, HP, dhP, NS);
+            mb_transpose_tile(NS, HP, dh, HP, dhP, NS);
             float T = 0.0f;
             for (int64_t j = 0; j < n; j++) {
-                const float dec = mb_exp(last - cs[j]), *Bj = u + j * CD + di;
-                for (int m = 0; m < NS; m++) Bd[j * NS + m] = Bj[m] * dec;
-                tmp[j] = dec;
+                const float *Bj = u + j * CD + di;
+                dec[j] = mb_exp(last - cs[j]);
+                for (int m = 0; m < NS; m++) Bd[j * NS + m] = Bj[m] * dec[j];
             }
             for (int64_t j0 = 0; j0 < n; j0 += TR) {
                 const int R = n - j0 < TR ? (int)(n - j0) : TR;
@@ -149,11 +178,12 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
                 MM(R, HP, Xd + j0 * HP, HP, 1, dhP, NS, dBd + j0 * NS, NS);
                 MM(R, HP, Xd + j0 * HP, HP, 1, dhP + HP, NS, dBd + j0 * NS + HP, NS);
             }
+            mb_dot_rows(n, NS, dBd, NS, u + di, CD, tmp, 1);
             for (int64_t j = 0; j < n; j++) {
-                const float dec = tmp[j], *dBj = dBd + j * NS;
+                const float *dBj = dBd + j * NS;
                 float *dbs = c->dBst + ((t0 + j) * H + h) * NS;
-                tmp[j] = mb_dot(NS, dBj, 1, u + j * CD + di, 1) * dec;
-                for (int m = 0; m < NS; m++) dbs[m] = dBj[m] * dec;
+                tmp[j] = tmp[j] * dec[j];
+                for (int m = 0; m < NS; m++) dbs[m] = dBj[m] * dec[j];
             }
             for (int64_t j = 0; j < n; j++) {
                 dcs[j] = dcs[j] - tmp[j];
@@ -167,11 +197,12 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
             suf = suf + dcs[i];
             tmp[i] = suf + sacc[i];
         }
+        mb_dot_rows(n, HP, dXd, HP, u + h * HP, CD, dots, 1);
         for (int64_t i = 0; i < n; i++) {
-            const float *xi = u + i * CD + h * HP, *dYi = dY + i * di, *dXi = dXd + i * HP;
+            const float *dYi = dY + i * di, *dXi = dXd + i * HP;
             float *dx = c->du + (t0 + i) * CD + h * HP;
             for (int p = 0; p < HP; p++) dx[p] = dYi[p] * Dh + dXi[p] * dt[i];
-            const float ddt = mb_dot(HP, dXi, 1, xi, 1) + tmp[i] * A;
+            const float ddt = dots[i] + tmp[i] * A;
             const float g = vpre[i] <= 20.0f ? ddt * mb_sigmoid(vpre[i]) : ddt;
             c->dzxd[(t0 + i) * NP + di + CD + h] = live[i] != 0.0f ? g : 0.0f;
             c->ddA[(t0 + i) * H + h] = tmp[i];
@@ -180,7 +211,7 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
         /* gradient of the state entering the chunk */
         if (k > 0) {
             for (int m0 = 0; m0 < NS; m0 += TR)
-                MM(NS - m0 < TR ? NS - m0 : TR, n, u + di + NS + m0, 1, CD, dyo, HP, dhn + m0 * HP, HP);
+                MM(NS - m0 < TR ? NS - m0 : TR, n, Cc + m0, 1, LDC, dyo, HP, dhn + m0 * HP, HP);
             if (folded)
                 for (int i = 0; i < NS * HP; i++) dh[i] = fmaf(E, dh[i], dhn[i]);
             else
@@ -198,7 +229,7 @@ static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
     const int folded = k < c->nk - 1;
     const float *u = c->a->u + t0 * CD;
     for (int64_t i = 0; i < n; i++) {
-        float *o = dGs + i * CQ;
+        float *o = dGs + i * LDM;
         for (int64_t j = 0; j < n; j++) o[j] = 0.0f; /* +0 past the diagonal: see ssd_bwd */
         for (int64_t h = 0; h < H; h++) {
             const float *g = c->dGh + ((t0 + i) * H + h) * CQ;
@@ -208,8 +239,8 @@ static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
     for (int64_t i0 = 0; i0 < n; i0 += TR) {
         const int R = n - i0 < TR ? (int)(n - i0) : TR;
         float *dC = c->du + (t0 + i0) * CD + di + NS;
-        MM(R, i0 + R, dGs + i0 * CQ, CQ, 1, u + di, CD, dC, CD);
-        MM(R, i0 + R, dGs + i0 * CQ, CQ, 1, u + di + HP, CD, dC + HP, CD);
+        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, u + di, CD, dC, CD);
+        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, u + di + HP, CD, dC + HP, CD);
         for (int r = 0; r < R; r++)
             for (int64_t h = 0; h < H; h++) {
                 const float *p = c->dCoff + ((t0 + i0 + r) * H + h) * NS;
@@ -220,8 +251,8 @@ static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
         const int R = n - j0 < TR ? (int)(n - j0) : TR;
         const float *C0 = u + j0 * CD + di + NS;
         float *dB = c->du + (t0 + j0) * CD + di;
-        MM(R, n - j0, dGs + j0 * CQ + j0, 1, CQ, C0, CD, dB, CD);
-        MM(R, n - j0, dGs + j0 * CQ + j0, 1, CQ, C0 + HP, CD, dB + HP, CD);
+        MM(R, n - j0, dGs + j0 * LDM + j0, 1, LDM, C0, CD, dB, CD);
+        MM(R, n - j0, dGs + j0 * LDM + j0, 1, LDM, C0 + HP, CD, dB + HP, CD);
         if (folded)
             for (int r = 0; r < R; r++)
                 for (int64_t h = 0; h < H; h++) {
@@ -236,44 +267,46 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
     const int64_t M = B * L, nk = (L + CQ - 1) / CQ, nth = mb_max_threads();
-    /* sizes of every buffer, in floats, in allocation order */
+    const int64_t bscr = (BSCR + 15) & ~(int64_t)15;
+    /* sizes of every buffer, in floats, in allocation order; each a whole number of
+     * cache lines */
     const int64_t sz[] = {
-        B * CD * TAPS, B * H * HP * NS, B * CQ * CD, B * CQ * H, /* fresh state */
+        B * CD * TAPS + B * H * HP * NS + B * CQ * CD + B * CQ * H, /* fresh state */
         M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
         M * dm,                                                  /* forward output, then dxn */
-        M * di, M * di, M * di,                                  /* g, gn / dY, dgn / dg */
-        dm * M + di * M,                                         /* transposes for dW */
-        di * dm + dm * NP,                                       /* W^T */
+        M * di, M * di, M * di, M * di,                          /* g, gn / dg, dgn / dY, xr */
         M * NP, M * CD, 2 * M * H,                               /* dzxd, du, ddA + dts */
         M * H * CQ, 2 * M * H * NS,                              /* per-head pieces */
-        nth * (BSCR > CQ * CQ ? BSCR : CQ * CQ),                 /* per-thread scratch */
+        nth * bscr,                                              /* per-thread scratch */
         M * dm, M * dm,                                          /* xn, xr */
-        (NP + dm) * M,                                           /* transposes for dW_in */
     };
-    const int nb = (int)(sizeof sz / sizeof sz[0]);
-    int64_t total = 0;
-    for (int i = 0; i < nb; i++) total += sz[i];
-    float *buf = calloc((size_t)total, sizeof(float));
+    enum { NB = sizeof sz / sizeof sz[0] };
+    int64_t total = 0, at[NB];
+    for (int i = 0; i < NB; i++) {
+        at[i] = total;
+        total += (sz[i] + 15) & ~(int64_t)15;
+    }
+    float *buf = mb_scratch_take((size_t)total);
     int64_t *cnt = calloc((size_t)B, sizeof *cnt);
     if (!buf || !cnt) {
-        free(buf);
+        mb_scratch_give(buf);
         free(cnt);
         return MB_ENOMEM;
     }
-    float *p[32];
-    p[0] = buf;
-    for (int i = 1; i < nb; i++) p[i] = p[i - 1] + sz[i - 1];
-    const mb_m2_state st = {p[0], p[1], p[2], p[3], cnt};
-    const m2_acts acts = {p[4], p[5], p[6], p[7], p[8], p[9]};
-    float *yf = p[10], *g = p[11], *gn = p[12], *dgn = p[13], *dyT = p[14], *gnT = dyT + dm * M;
-    float *WoT = p[15], *WiT = WoT + di * dm, *dzxd = p[16], *du = p[17], *ddA = p[18];
-    float *dts = ddA + M * H, *dGh = p[19], *dCoff = p[20], *dBst = dCoff + M * H * NS;
-    float *scr = p[21], *xn = p[22], *xr = p[23];
-    const int64_t bscr = BSCR > CQ * CQ ? BSCR : CQ * CQ;
+    float *p[NB];
+    for (int i = 0; i < NB; i++) p[i] = buf + at[i];
+    memset(p[0], 0, (size_t)sz[0] * sizeof(float));
+    const mb_m2_state st = {p[0], p[0] + B * CD * TAPS, p[0] + B * CD * TAPS + B * H * HP * NS,
+                            p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
+    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[6]};
+    float *yf = p[7], *g = p[8], *gn = p[9], *dgn = p[10], *xr2 = p[11];
+    float *dzxd = p[12], *du = p[13], *ddA = p[14];
+    float *dts = ddA + M * H, *dGh = p[15], *dCoff = p[16], *dBst = dCoff + M * H * NS;
+    float *scr = p[17], *xn = p[18], *xr = p[19];
 
     int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, yf, &acts);
     if (rc != MB_OK) {
-        free(buf);
+        mb_scratch_give(buf);
         free(cnt);
         return rc;
     }
@@ -287,14 +320,15 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         mb_fpenv_exit(env);
     }
     MB_ISA_FN(mb_rmsnorm_rows)(M, di, g, di, w->norm_w, gn, di);
-    MB_ISA_FN(mb_transpose)(M, dm, dy, dm, dyT, M);
-    MB_ISA_FN(mb_transpose)(M, di, gn, di, gnT, M);
-    MB_ISA_FN(mb_gemm)(dm, di, M, dyT, M, gnT, M, gr->out_proj, di);
-    MB_ISA_FN(mb_transpose)(dm, di, w->out_proj, di, WoT, dm);
-    MB_ISA_FN(mb_gemm)(M, di, dm, dy, dm, WoT, dm, dgn, di);
+    rc = MB_ISA_FN(mb_linear_bwd)(M, dm, di, gn, di, w->out_proj, di, dy, dm, gr->out_proj, dgn, di);
+    if (rc != MB_OK) {
+        mb_scratch_give(buf);
+        free(cnt);
+        return rc;
+    }
 
     /* gated norm, then the gate: dY = dg * silu(z), dz = (dg * Y) * silu'(z) */
-    float *dg = gn, *xr2 = dyT; /* gn and dyT are dead now */
+    float *dg = gn; /* gn is dead now */
     MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, di, g, di, w->norm_w, dgn, di, dg, di, xr2, di);
     MB_ISA_FN(mb_colfold)(B, L, di, dgn, di, xr2, di, 0, gr->norm_w, 1);
     float *dY = dgn;
@@ -303,7 +337,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         mb_fpenv env = mb_fpenv_enter();
         const float *Y = acts.Y + m * di, *z = acts.zxd + m * NP, *d = dg + m * di;
         for (int64_t j = 0; j < di; j++) {
-            dzxd[m * NP + j] = (d[j] * Y[j]) * dsilu(z[j]);
+            dzxd[m * NP + j] = (d[j] * Y[j]) * mb_dsilu(z[j]);
             dY[m * di + j] = d[j] * mb_silu(z[j]);
         }
         mb_fpenv_exit(env);
@@ -338,7 +372,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         mb_fpenv env = mb_fpenv_enter();
         float *d = du + m * CD;
         const float *pr = acts.pre + m * CD;
-        for (int64_t ch = 0; ch < CD; ch++) d[ch] = d[ch] * dsilu(pr[ch]);
+        for (int64_t ch = 0; ch < CD; ch++) d[ch] = d[ch] * mb_dsilu(pr[ch]);
         mb_fpenv_exit(env);
     }
     MB_ISA_FN(mb_colfold)(B, L, CD, du, CD, NULL, 0, 0, gr->conv_b, 1);
@@ -363,19 +397,19 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
 
     /* in_proj: dW = dzxd^T . xn over the tokens; dxn = dzxd . W */
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->block_norm_w, xn, dm);
-    float *dzT = p[24], *xnT = dzT + NP * M;
-    MB_ISA_FN(mb_transpose)(M, NP, dzxd, NP, dzT, M);
-    MB_ISA_FN(mb_transpose)(M, dm, xn, dm, xnT, M);
-    MB_ISA_FN(mb_gemm)(NP, dm, M, dzT, M, xnT, M, gr->in_proj, dm);
-    MB_ISA_FN(mb_transpose)(NP, dm, w->in_proj, dm, WiT, NP);
     float *dxn = yf;
-    MB_ISA_FN(mb_gemm)(M, dm, NP, dzxd, NP, WiT, NP, dxn, dm);
+    rc = MB_ISA_FN(mb_linear_bwd)(M, NP, dm, xn, dm, w->in_proj, dm, dzxd, NP, gr->in_proj, dxn, dm);
+    if (rc != MB_OK) {
+        mb_scratch_give(buf);
+        free(cnt);
+        return rc;
+    }
 
     /* block norm and the residual: dx = dx_norm + dy */
     MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->block_norm_w, dxn, dm, gr->x, dm, xr, dm);
     MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xr, dm, 0, gr->block_norm_w, 1);
     for (int64_t i = 0; i < M * dm; i++) gr->x[i] = gr->x[i] + dy[i];
-    free(buf);
+    mb_scratch_give(buf);
     free(cnt);
     return MB_OK;
 }

@@ -7,7 +7,6 @@
  * outputs (again the forward's function) and differentiates them, carrying dh from
  * chunk to chunk; a reverse pass over the tokens then collects the angle, dt, sig and
  * A gradients. Cross-head sums (B, C, angles) and the weight folds come after. */
-#include <stdlib.h>
 #include <string.h>
 #include "threads.h"
 #include "mamba_ref.h"
@@ -16,6 +15,8 @@
 #include "grad.h"
 #include "fpenv.h"
 #include "block3.h"
+#include "simd.h"
+#include "scratch.h"
 
 #define MM MB_ISA_FN(mb_m3_mm)
 
@@ -54,16 +55,19 @@ typedef struct {
 static int64_t row_floats(int64_t L)
 {
     const int64_t nc = (L + CQ - 1) / CQ;
-    return 2 * (L + 1) * NQK + (L + 1) * PV + 3 * (L + 1) + L * 2 * NA + 3 * L
-        + 2 * L * NQK + nc * NQK * PV;
+    return 2 * (L + 1) * NQK + (L + 1) * PV + 3 * (L + 1) + L * 2 * NA + 4 * L
+        + 2 * L * NQK + 2 * nc * NQK * PV + 2 * nc;
 }
 
 typedef struct {
     float *q, *k, *v, *dt, *sig, *adt, *rot, *qkg, *dsc, *dadt, *dqr, *dkr, *hs;
+    float *fv;            /* per row: F_j of dadt */
+    float *dhs, *cl, *f0; /* per chunk: dh^T leaving it, cs_last, F0 */
 } m3_rows;
 
 static m3_rows carve(float *p, int64_t L)
 {
+    const int64_t nc = (L + CQ - 1) / CQ;
     m3_rows r;
     r.q = p; p += (L + 1) * NQK;
     r.k = p; p += (L + 1) * NQK;
@@ -77,6 +81,10 @@ static m3_rows carve(float *p, int64_t L)
     r.dadt = p; p += L;
     r.dqr = p; p += L * NQK;
     r.dkr = p; p += L * NQK;
+    r.fv = p; p += L;
+    r.dhs = p; p += nc * NQK * PV;
+    r.cl = p; p += nc;
+    r.f0 = p; p += nc;
     r.hs = p;
     return r;
 }
@@ -86,6 +94,40 @@ static m3_head view(const m3_rows *r, int64_t c0)
     m3_head hv = {r->q + c0 * NQK, r->k + c0 * NQK, r->v + c0 * PV, r->dt + c0, r->sig + c0,
                   r->adt + c0, NQK, PV, 1, r->rot + c0 * 2 * NA};
     return hv;
+}
+
+/* W[i][j] = W[i][j - 1] + W[i][j] for 0 < j < i < n, each row's chain in ascending j,
+ * eight rows interleaved. */
+static void row_prefix(int64_t n, float *W)
+{
+    for (int64_t i0 = 1; i0 < n; i0 += 8) {
+        const int R = n - i0 < 8 ? (int)(n - i0) : 8;
+        for (int64_t j = 1; j < i0 + R - 1; j++)
+            for (int r = 0; r < R; r++)
+                if (j < i0 + r)
+                    W[(i0 + r) * QCAP + j] = W[(i0 + r) * QCAP + j - 1] + W[(i0 + r) * QCAP + j];
+    }
+}
+
+/* The F terms of dadt for the chunks with a fold (chunks [0, nc - 1)): F0 = (dh^T
+ * leaving the chunk . h^T entering it) * exp(cs_last), the chains of several chunks
+ * interleaved; then dadt_l = (dadt_l + F0) + sum_{j<l} F_j. */
+static void dadt_tail(const m3_rows *r, int64_t nc)
+{
+    mb_dot_rows(nc - 1, NQK * PV, r->dhs, NQK * PV, r->hs, NQK * PV, r->f0, 1);
+    for (int64_t ci = 0; ci + 1 < nc; ci++) {
+        const float F0 = r->f0[ci] * mb_exp(r->cl[ci]);
+        const float *Fv = r->fv + ci * CQ;
+        float *da = r->dadt + ci * CQ, pf = 0.0f;
+        for (int64_t l = 0; l < CQ; l++) {
+            float d = da[l] + F0;
+            if (l > 0) {
+                pf = pf + Fv[l - 1];
+                d = d + pf;
+            }
+            da[l] = d;
+        }
+    }
 }
 
 /* Gradients of one chunk of n rows at row c0 (token tok = tok0 + c0), after
@@ -107,22 +149,26 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
     const float *q = hv.q, *k = hv.k, *v = hv.v;
     const float Dh = c->w->D[h];
 
-    /* the gate: dy = dyg * silu(z), dz = (dyg * ypre) * silu'(z); dqk_gamma = dy . v */
+    /* the gate: dy = dyg * silu(z), dz = (dyg * ypre) * silu'(z), both from one
+     * exp(-z); dqk_gamma = dy . v */
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = tok + i;
         const float *z = c->zx + t * dip + h * PV, *dg = g->dyg + t * di + h * PV;
         const float *yp = c->ypre + t * di + h * PV;
         float *dz = g->dzx + t * dip + h * PV, *d = dy + i * PV;
         for (int p = 0; p < PV; p++) {
-            d[p] = dg[p] * mb_silu(z[p]);
-            dz[p] = (dg[p] * yp[p]) * mb_dsilu(z[p]);
+            const float e1 = 1.0f + mb_exp(-z[p]), sg = 1.0f / e1;
+            d[p] = dg[p] * (z[p] / e1);
+            dz[p] = (dg[p] * yp[p]) * (sg * (1.0f + z[p] * (1.0f - sg)));
         }
-        g->dQKG[t * H + h] = mb_dot(PV, d, 1, v + i * PV, 1);
         ev[i] = mb_exp(cs[i]);
         for (int p = 0; p < PV; p++)
             dye[i * PV + p] = d[p] * ev[i];
-        av[i] = mb_dot(PV, d, 1, Ys + i * PV, 1) * ev[i];
     }
+    mb_dot_rows(n, PV, dy, PV, v, PV, g->dQKG + tok * H + h, H);
+    mb_dot_rows(n, PV, dy, PV, Ys, PV, av, 1);
+    for (int64_t i = 0; i < n; i++)
+        av[i] = av[i] * ev[i];
     /* the scales; the last row's is only used by the fold (the next chunk's beta) */
     for (int64_t j = 0; j < n; j++) {
         sc[j] = j + 1 < n || has_dh ? scale_of(&hv, j) : 0.0f;
@@ -152,9 +198,7 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
     }
 
     /* dq_rot_i = dye_i . h + sum_{j<i} dG_ij ks_j */
-    for (int p = 0; p < PV; p++)
-        for (int m = 0; m < NQK; m++)
-            hPN[p * NQK + m] = hT[m * PV + p];
+    mb_transpose_tile(NQK, PV, hT, PV, hPN, NQK);
     MM(n, NQK, PV, 0, dye, PV, 1, hPN, NQK, T1, NQK);
     MM(n, NQK, 0, 1, dG, QCAP, 1, ks, NQK, T2, NQK);
     for (int64_t i = 0; i < n; i++)
@@ -164,9 +208,7 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
     /* the chunk's fold into the next state: dvd = dh . ks_j, ddec = dvd . v_j */
     const float cl = cs[n - 1];
     if (has_dh) {
-        for (int p = 0; p < PV; p++)
-            for (int m = 0; m < NQK; m++)
-                dhPN[p * NQK + m] = dhT[m * PV + p];
+        mb_transpose_tile(NQK, PV, dhT, PV, dhPN, NQK);
         for (int64_t j = 0; j < n; j++) {
             dec[j] = mb_exp(cl - cs[j]);
             for (int p = 0; p < PV; p++)
@@ -174,22 +216,21 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
         }
         MM(n, PV, NQK, 0, ks, NQK, 1, dhT, PV, P2, PV);      /* dvd */
         MM(n, NQK, PV, 0, P3, PV, 1, dhPN, NQK, T1, NQK);    /* fold part of dks */
+        mb_dot_rows(n, PV, P2, PV, v, PV, Fv, 1);
         for (int64_t j = 0; j < n; j++)
-            Fv[j] = mb_dot(PV, P2 + j * PV, 1, v + j * PV, 1) * dec[j];
+            Fv[j] = Fv[j] * dec[j];
     }
 
     /* dks_j = sum_{i>j} dG_ij q_i (i descending) [+ fold part]; dsc_j = dks_j . k_j */
     MM(n, NQK, 0, 1, dG + (n - 1) * QCAP + (n - 1), -1, -QCAP, q + (n - 1) * NQK, -NQK,
        T2 + (n - 1) * NQK, -NQK);
-    for (int64_t j = 0; j < n; j++) {
-        float *dk = T2 + j * NQK, *o = r->dkr + (c0 + j) * NQK;
-        if (has_dh)
-            for (int m = 0; m < NQK; m++)
-                dk[m] = dk[m] + T1[j * NQK + m];
-        r->dsc[c0 + j] = mb_dot(NQK, dk, 1, k + j * NQK, 1);
+    if (has_dh)
+        for (int64_t i = 0; i < n * NQK; i++)
+            T2[i] = T2[i] + T1[i];
+    mb_dot_rows(n, NQK, T2, NQK, k, NQK, r->dsc + c0, 1);
+    for (int64_t j = 0; j < n; j++)
         for (int m = 0; m < NQK; m++)
-            o[m] = dk[m] * sc[j];
-    }
+            r->dkr[(c0 + j) * NQK + m] = T2[j * NQK + m] * sc[j];
 
     /* dv_j = sum_{i>j} Mm_ij dy_i (i descending), + (D + qk_gamma_j) dy_j, + dvd_j dec_j */
     MM(n, PV, 0, 1, Mm + (n - 1) * QCAP + (n - 1), -1, -QCAP, dy + (n - 1) * PV, -PV,
@@ -205,32 +246,24 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
         }
     }
 
-    /* dadt_l = ((sum_{i>=l} a_i + sum_{i>=l, j<l} dseg_ij) + F0) + sum_{j<l} F_j */
-    for (int64_t i = 1; i < n; i++)
-        for (int64_t j = 1; j < i; j++)
-            W[i * QCAP + j] = W[i * QCAP + j - 1] + W[i * QCAP + j];
+    /* dadt_l = ((sum_{i>=l} a_i + sum_{i>=l, j<l} dseg_ij) + F0) + sum_{j<l} F_j, the
+     * terms with F left to dadt_tail (F0's chain runs with the other chunks') */
+    row_prefix(n, W);
     for (int64_t l = 0; l < n; l++)
         Rv[l] = 0.0f;
     for (int64_t i = 1; i < n; i++)
         for (int64_t l = 1; l <= i; l++)
             Rv[l] = Rv[l] + W[i * QCAP + l - 1];
-    float F0 = 0.0f;
-    if (has_dh)
-        F0 = mb_dot(NQK * PV, dhT, 1, hT, 1) * mb_exp(cl);
-    float sa = 0.0f, pf = 0.0f;
+    float sa = 0.0f;
     for (int64_t l = n - 1; l >= 0; l--) {
         sa = sa + av[l];
         r->dadt[c0 + l] = sa + Rv[l];
     }
-    if (has_dh)
-        for (int64_t l = 0; l < n; l++) {
-            float d = r->dadt[c0 + l] + F0;
-            if (l > 0) {
-                pf = pf + Fv[l - 1];
-                d = d + pf;
-            }
-            r->dadt[c0 + l] = d;
-        }
+    r->cl[c0 / CQ] = cl;
+    if (has_dh) {
+        memcpy(r->fv + c0, Fv, n * sizeof(float));
+        memcpy(r->dhs + c0 / CQ * NQK * PV, dhT, NQK * PV * sizeof(float));
+    }
 
     /* dh^T entering: sum_i q_i dye_i^T (+ exp(cs_last) dh^T leaving) */
     if (need_in) {
@@ -245,12 +278,68 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
     }
 }
 
+/* Token t of row b (packed index tok0 + t), head h: q, k, angle, dt, sig and A
+ * gradients, given dot(q, k) (qk), th . ta (tad) and the angle gradient th. */
+static void token_bwd(const m3_bctx *g, const m3_rows *rr, int64_t h, int64_t tok0, int64_t t,
+                      const float *Cn, const float *Bn, float qk, float tad, const float *th)
+{
+    const m3_ctx *c = &g->c;
+    const m3_rows r = *rr;
+    const int64_t H = c->H, m = tok0 + t;
+    const int64_t oDT = 2 * c->di + 2 * NQK, oA = oDT + H, oTR = oA + H;
+    const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
+    const float *dq = r.dqr + t * NQK, *dk = r.dkr + t * NQK;
+    const float *cs = r.rot + t * 2 * NA, *sn = cs + NA;
+    /* unrotate, then qk_gamma = dot(q, k) * gamma on the biased, unrotated q, k */
+    const float dt = r.dt[t], sig = r.sig[t], gam = dt * sig;
+    const float dqkg = g->dQKG[m * H + h], dacc = dqkg * gam;
+    float *oq = g->dQ + (m * H + h) * NQK, *ok = g->dK + (m * H + h) * NQK;
+    for (int a = 0; a < NA; a++) {
+        oq[2 * a] = dq[2 * a] * cs[a] + dq[2 * a + 1] * sn[a];
+        oq[2 * a + 1] = dq[2 * a + 1] * cs[a] - dq[2 * a] * sn[a];
+        ok[2 * a] = dk[2 * a] * cs[a] + dk[2 * a + 1] * sn[a];
+        ok[2 * a + 1] = dk[2 * a + 1] * cs[a] - dk[2 * a] * sn[a];
+    }
+    memcpy(oq + 2 * NA, dq + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+    memcpy(ok + 2 * NA, dk + 2 * NA, (NQK - 2 * NA) * sizeof(float));
+    for (int i = 0; i < NQK; i++) {
+        oq[i] = oq[i] + dacc * (Bn[i] + Bb[i]);
+        ok[i] = ok[i] + dacc * (Cn[i] + Cb[i]);
+    }
+    /* gamma_t = dt sig feeds scale_t and qk_gamma; beta_{t-1} = dt (1 - sig) */
+    const float dgam = r.dsc[t] + dqkg * qk, da = r.dadt[t];
+    const float *zr = c->zx + m * c->dip;
+    const float x = zr[oA + h], Araw = m3_heavy_tail(x);
+    const float A = Araw > -A_FLOOR ? -A_FLOOR : Araw;
+    float ddt = dgam * sig, dsig = dgam * dt;
+    if (t > 0) {
+        ddt = ddt + r.dsc[t - 1] * (1.0f - sig);
+        dsig = dsig - r.dsc[t - 1] * dt;
+    }
+    ddt = ddt + A * da;
+    ddt = ddt + tad;
+    float *dta = g->dTA + (m * H + h) * NA;
+    for (int a = 0; a < NA; a++)
+        dta[a] = th[a] * dt;
+    float *dz = g->dzx + m * c->dip;
+    const float u = zr[oDT + h] + c->w->dt_bias[h];
+    dz[oDT + h] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
+    dz[oTR + h] = (dsig * sig) * (1.0f - sig);
+    /* A = -(x >= 0 ? 1 + x : 1 / (1 - x)), floored: no gradient where the floor binds */
+    const float dA = da * dt;
+    float dx = 0.0f;
+    if (!(Araw > -A_FLOOR)) {
+        const float f = 1.0f / (1.0f - x);
+        dx = x >= 0.0f ? -dA : -(dA * (f * f));
+    }
+    dz[oA + h] = dx;
+}
+
 /* Row b, head h: forward pass, reverse pass over the chunks, reverse pass over tokens. */
 static void head_bwd(const m3_bctx *g, int64_t b, int64_t h, float *s, float *rowbuf)
 {
     const m3_ctx *c = &g->c;
-    const int64_t L = g->L, H = c->H, tok0 = b * L, nc = (L + CQ - 1) / CQ;
-    const int64_t oDT = 2 * c->di + 2 * NQK, oA = oDT + H, oTR = oA + H;
+    const int64_t L = g->L, tok0 = b * L, nc = (L + CQ - 1) / CQ;
     m3_rows r = carve(rowbuf, L);
     r.dt[L] = r.sig[L] = r.adt[L] = 0.0f;
     float theta[NA] = {0.0f};
@@ -276,70 +365,46 @@ static void head_bwd(const m3_bctx *g, int64_t b, int64_t h, float *s, float *ro
         chunk_bwd(g, &r, h, c0, n, tok0 + c0, hT, ci + 1 < nc, ci > 0, s);
     }
 
-    /* tokens in reverse: the angle gradient accumulates backwards through the steps */
-    float th[NA] = {0.0f};
+    if (nc > 1)
+        dadt_tail(&r, nc);
+
+    /* tokens in reverse, eight at a time: the angle gradient accumulates backwards
+     * through the steps; dot(q, k) on the biased, unrotated q and k, and th . ta, run
+     * the eight tokens' chains at once (tokens before the first repeat it) */
+    float th[NA] = {0.0f}, thb[8][NA];
     const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
-    for (int64_t t = L - 1; t >= 0; t--) {
-        const int64_t m = tok0 + t;
-        const float *qr = r.q + t * NQK, *kr = r.k + t * NQK;
-        const float *dq = r.dqr + t * NQK, *dk = r.dkr + t * NQK;
-        const float *cs = r.rot + t * 2 * NA, *sn = cs + NA;
-        for (int a = 0; a < NA; a++) {
-            const float lq = dq[2 * a + 1] * qr[2 * a] - dq[2 * a] * qr[2 * a + 1];
-            const float lk = dk[2 * a + 1] * kr[2 * a] - dk[2 * a] * kr[2 * a + 1];
-            th[a] = th[a] + (lq + lk);
+    for (int64_t t1 = L; t1 > 0; t1 -= 8) {
+        const int64_t t0 = t1 - 8;
+        for (int64_t t = t1 - 1; t >= t0 && t >= 0; t--) {
+            const float *qr = r.q + t * NQK, *kr = r.k + t * NQK;
+            const float *dq = r.dqr + t * NQK, *dk = r.dkr + t * NQK;
+            for (int a = 0; a < NA; a++) {
+                const float lq = dq[2 * a + 1] * qr[2 * a] - dq[2 * a] * qr[2 * a + 1];
+                const float lk = dk[2 * a + 1] * kr[2 * a] - dk[2 * a] * kr[2 * a + 1];
+                th[a] = th[a] + (lq + lk);
+            }
+            memcpy(thb[t - t0], th, sizeof th);
         }
-        /* unrotate, then qk_gamma = dot(q, k) * gamma on the biased, unrotated q, k */
-        float qb[NQK], kb[NQK];
-        const float *Cn = c->Cn + m * NQK, *Bn = c->Bn + m * NQK;
-        float acc = 0.0f;
-        for (int i = 0; i < NQK; i++) {
-            qb[i] = Cn[i] + Cb[i];
-            kb[i] = Bn[i] + Bb[i];
-            acc = fmaf(qb[i], kb[i], acc);
+        const float *Cn[8], *Bn[8], *ta[8], *tr[8];
+        float acc[8], ad[8];
+        for (int u = 0; u < 8; u++) {
+            const int v = t0 + u >= 0 ? u : (int)-t0;
+            Cn[u] = c->Cn + (tok0 + t0 + v) * NQK;
+            Bn[u] = c->Bn + (tok0 + t0 + v) * NQK;
+            ta[u] = c->ta + (tok0 + t0 + v) * NA;
+            tr[u] = thb[v];
+            acc[u] = ad[u] = 0.0f;
         }
-        const float dt = r.dt[t], sig = r.sig[t], gam = dt * sig;
-        const float dqkg = g->dQKG[m * H + h], dacc = dqkg * gam;
-        float *oq = g->dQ + (m * H + h) * NQK, *ok = g->dK + (m * H + h) * NQK;
-        for (int a = 0; a < NA; a++) {
-            oq[2 * a] = dq[2 * a] * cs[a] + dq[2 * a + 1] * sn[a];
-            oq[2 * a + 1] = dq[2 * a + 1] * cs[a] - dq[2 * a] * sn[a];
-            ok[2 * a] = dk[2 * a] * cs[a] + dk[2 * a + 1] * sn[a];
-            ok[2 * a + 1] = dk[2 * a + 1] * cs[a] - dk[2 * a] * sn[a];
-        }
-        memcpy(oq + 2 * NA, dq + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-        memcpy(ok + 2 * NA, dk + 2 * NA, (NQK - 2 * NA) * sizeof(float));
-        for (int i = 0; i < NQK; i++) {
-            oq[i] = oq[i] + dacc * kb[i];
-            ok[i] = ok[i] + dacc * qb[i];
-        }
-        /* gamma_t = dt sig feeds scale_t and qk_gamma; beta_{t-1} = dt (1 - sig) */
-        const float dgam = r.dsc[t] + dqkg * acc, da = r.dadt[t];
-        const float *zr = c->zx + m * c->dip;
-        const float x = zr[oA + h], Araw = m3_heavy_tail(x);
-        const float A = Araw > -A_FLOOR ? -A_FLOOR : Araw;
-        float ddt = dgam * sig, dsig = dgam * dt;
-        if (t > 0) {
-            ddt = ddt + r.dsc[t - 1] * (1.0f - sig);
-            dsig = dsig - r.dsc[t - 1] * dt;
-        }
-        ddt = ddt + A * da;
-        ddt = ddt + mb_dot(NA, th, 1, c->ta + m * NA, 1);
-        float *dta = g->dTA + (m * H + h) * NA;
+        for (int i = 0; i < NQK; i++)
+            for (int u = 0; u < 8; u++)
+                acc[u] = fmaf(Cn[u][i] + Cb[i], Bn[u][i] + Bb[i], acc[u]);
         for (int a = 0; a < NA; a++)
-            dta[a] = th[a] * dt;
-        float *dz = g->dzx + m * c->dip;
-        const float u = zr[oDT + h] + c->w->dt_bias[h];
-        dz[oDT + h] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
-        dz[oTR + h] = (dsig * sig) * (1.0f - sig);
-        /* A = -(x >= 0 ? 1 + x : 1 / (1 - x)), floored: no gradient where the floor binds */
-        const float dA = da * dt;
-        float dx = 0.0f;
-        if (!(Araw > -A_FLOOR)) {
-            const float f = 1.0f / (1.0f - x);
-            dx = x >= 0.0f ? -dA : -(dA * (f * f));
+            for (int u = 0; u < 8; u++)
+                ad[u] = fmaf(tr[u][a], ta[u][a], ad[u]);
+        for (int64_t t = t0 < 0 ? 0 : t0; t < t1; t++) {
+            const int u = (int)(t - t0);
+            token_bwd(g, &r, h, tok0, t, Cn[u], Bn[u], acc[u], ad[u], thb[u]);
         }
-        dz[oA + h] = dx;
     }
 }
 
@@ -355,13 +420,12 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
      * dQKG (M H), ta (M NA), yg, ypre, dyg (M di), dQ, dK (M H NQK), dTA (M H NA) */
     const int64_t total = M * (2 * dm + 2 * dip + 6 * NQK + 4 * H + NA + 3 * di
                                + 2 * H * NQK + H * NA);
-    float *buf = malloc((size_t)total * sizeof(float));
-    float *scr = calloc((size_t)(nth * per), sizeof(float));
-    if (!buf || !scr) {
-        free(buf);
-        free(scr);
+    float *buf = mb_scratch_take((size_t)(total + nth * per));
+    if (!buf)
         return MB_ENOMEM;
-    }
+    float *scr = buf + total;
+    for (int i = 0; i < nth; i++) /* finite scratch rows, as the forward's */
+        memset(scr + i * per, 0, B_TOTAL * sizeof(float));
     float *xn = buf, *dxn = xn + M * dm, *zx = dxn + M * dm, *dzx = zx + M * dip;
     float *Bn = dzx + M * dip, *Cn = Bn + M * NQK, *dBn = Cn + M * NQK, *dCn = dBn + M * NQK;
     float *Bxr = dCn + M * NQK, *Cxr = Bxr + M * NQK, *dt = Cxr + M * NQK, *sig = dt + M * H;
@@ -371,15 +435,10 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
 
     MB_ISA_FN(mb_m3_project)(w, M, x, xn, zx, Bn, Cn, dt, sig, adt, ta);
     /* dyg = dy . out_proj (dot v1 over dm) */
-    float *WoT = malloc((size_t)(di * dm) * sizeof(float));
-    if (!WoT) {
-        free(buf);
-        free(scr);
+    if (!MB_ISA_FN(mb_gemm_kn)(M, di, dm, dy, dm, 1, w->out_proj, di, dyg, di)) {
+        mb_scratch_give(buf);
         return MB_ENOMEM;
     }
-    MB_ISA_FN(mb_transpose)(dm, di, w->out_proj, di, WoT, dm);
-    MB_ISA_FN(mb_gemm)(M, di, dm, dy, dm, WoT, dm, dyg, di);
-    free(WoT);
 
     m3_bctx g = {{w, NULL, NULL, H, di, dip, 0, 0, zx, Bn, Cn, dt, sig, adt, ta, yg, ypre},
                  L, dyg, dzx, dQ, dK, dTA, dQKG};
@@ -437,8 +496,7 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
         rc = MB_ISA_FN(mb_linear_bwd)(M, dm, di, yg, di, w->out_proj, di, dy, dm,
                                       gr->out_proj, NULL, 0);
     if (rc != MB_OK) {
-        free(buf);
-        free(scr);
+        mb_scratch_give(buf);
         return rc;
     }
     /* the block norm (its xr reuses xn); dx = dy + the norm's dx */
@@ -452,7 +510,6 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     MB_ISA_FN(mb_colfold)(B, L, H * NQK, dQ, H * NQK, NULL, 0, 0, gr->C_bias, 1);
     MB_ISA_FN(mb_colfold)(B, L, H, dQKG, H, NULL, 0, 0, gr->D, 1);
     MB_ISA_FN(mb_colfold)(B, L, H, dzx + oDT, dip, NULL, 0, 0, gr->dt_bias, 1);
-    free(buf);
-    free(scr);
+    mb_scratch_give(buf);
     return MB_OK;
 }
