@@ -20,7 +20,7 @@ import operator
 
 from . import _core, _cuda_ssd
 from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
-from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS, Y_THREADS
+from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
 
 class _GraphSession:
@@ -221,6 +221,7 @@ class _SsdSession(_GraphSession):
         self.ctl = self.alloc(4)
         s = be.stream()
         be._ck(be.cu.cuMemsetD32Async(self.ctl, 0, 4, s.cu), "cuMemsetD32Async")
+        self._whole(s)
         self.base, self.base_step = None, 0
         self.report = None
         be._kernels(*self.KERNELS)
@@ -261,19 +262,26 @@ class _SsdSession(_GraphSession):
         self.base_step = self.steps
         self._publish()
 
+    def _whole(self, s):
+        """Have the next step rebuild what the session carries between steps from the
+        state (ctl[1])."""
+        self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl + 8, 1, 1, s.cu), "cuMemsetD32Async")
+
     def _settling(self, s):
         if self.report is not None and self.block._report is self.report:
             self.block._reported = self.report()
         self.report = None
+        self._whole(s)  # load_state may replace the state
 
 
 class M2Session(_SsdSession):
     """Mamba-2 (_cuda_ssd._m2_forward at L = 1 on the ext layout of ssd_step.cu).
-    The step keeps dt, dA and their cumsum of the open rows in a cache and computes
-    only the new row's; the cache is made whole again at the first step after the
-    session opens and after each sync_state or load_state (ctl[1])."""
-    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_close_k", "mb_ssd_chain_k", "mb_m2_g_k",
-               "mb_m2_fold_k", "mb_m2_y_k", "mb_m2_gate_k")
+    The step carries dt, dA and their cumsum of the open rows, and the seg columns
+    of its output row, from one step to the next and computes only what the new row
+    adds; they are rebuilt at the first step after the session opens and after each
+    sync_state or load_state (ctl[1])."""
+    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k",
+               "mb_m2_gate_k")
 
     @staticmethod
     def advance(count, n):
@@ -293,14 +301,12 @@ class M2Session(_SsdSession):
         I = self.scratch()
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
-        unew, G, yg = a(B * CD), a(B * M2_Q * M2_Q), a(B * di)
-        self.dt, dA, self.cs = a(B * H * M2_Q), a(B * H * M2_Q), a(B * H * M2_Q)
+        unew, yg = a(B * CD), a(B * di)
+        self.dt, dA, self.cs, seg = (a(B * H * M2_Q) for _ in range(4))
         S, Ec = a(B * H * HP * NS), a(B * H)
-        scal, cbeg, desc, self.rep = a(4), a(2 * (B + 1)), a(12 * B), a(12 * B)
-        self._refresh(be.stream())
+        scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
         conv = "mb_fast_conv_step_k" if fast else "mb_conv_step_k"
         g, L = self.guard.ptr, be._launch
-
         sc = self.front_arena(NP)
 
         def body(cs):
@@ -311,15 +317,11 @@ class M2Session(_SsdSession):
             L(cs, "mb_m2_step_in_k", (be._grid(B * (CD + H)),), THREADS,
               B, H, CD, unew, zx + 4 * (di + CD), NP, dt_bias, A_log,
               _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,
-              self.dt, dA, self.cs, scal, cbeg, desc, self.rep)
-            L(cs, "mb_m2_g_k", (be._grid(B * M2_Q * M2_Q),), THREADS,
-              B, desc, di, CD, bx, G)
+              self.dt, dA, self.cs, scal, desc, self.rep)
             L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
               desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
-            L(cs, "mb_ssd_chain_k", (be._grid(B * H * HP * NS),), THREADS,
-              B, H, cbeg, desc, Ec, S, h, S)
-            L(cs, "mb_m2_y_k", (H, B), Y_THREADS, desc, H, di, CD, bx, G, self.dt,
-              dA, self.cs, S, D, yg)
+            L(cs, "mb_m2_step_y_k", (H, B), M2_Q,
+              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, h, seg, yg)
             L(cs, "mb_m2_gate_k", (be._grid(B * di),), THREADS, B, di, zx, NP, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
@@ -328,13 +330,6 @@ class M2Session(_SsdSession):
             L(cs, "mb_m2_step_close_k", (be._grid(B * (CD + H)),), THREADS,
               B, H, CD, scal, self.ctl, bx, bd)
         self.exec = self.capture(body)
-
-    def _refresh(self, s):
-        self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl + 8, 1, 1, s.cu), "cuMemsetD32Async")
-
-    def _settling(self, s):
-        super()._settling(s)
-        self._refresh(s)  # load_state may replace the buffers
 
     def _reports(self):
         """h_last_: the open rows (rep) folded into h from the cache, as _m2_h_last."""
@@ -351,14 +346,15 @@ class M2Session(_SsdSession):
 class M3Session(_SsdSession):
     """Mamba-3 (_cuda_ssd._m3_forward at L = 1). The one-token kernels compute the
     new token into rows of their own, mb_m3_step_rows_k places it in the working
-    chunk, and a sealing step folds the old chunk from copies with the new row after
-    it (ssd_step.cu). A step that consumes Input_States (the state's pending flag)
-    runs a second graph with the pending kernel; its x is checked before the launch,
-    so that it is never refused."""
+    chunk, a sealing step folds the old chunk from copies with the new row after it,
+    and mb_m3_step_y_k gives the output row, carrying the seg columns and the cumsum
+    between steps as Mamba-2's does (ssd_step.cu). A step that consumes Input_States
+    (the state's pending flag) runs a second graph with the pending kernel; its x is
+    checked before the launch, so that it is never refused."""
     SCALARS = ("buffered_tokens", "pending")
-    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k", "mb_ssd_put_k",
                "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-               "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k")
+               "mb_m3_fold_k", "mb_m3_last_k")
 
     @staticmethod
     def advance(count, n):
@@ -377,15 +373,14 @@ class M3Session(_SsdSession):
         I = self.scratch()
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
-        # the new token's rows, the y kernel's qk_gamma, the seal's copies
+        # the new token's rows, the seal's copies, what the step carries
         qn, kn, vn = a(B * H * NS), a(B * H * NS), a(B * di)
         dtn, sgn, adn, qgn, TA = a(B * H), a(B * H), a(B * H), a(B * H), a(B * NA)
-        qkg = a(B * M3_Q * H)
         E1 = B * (M3_Q + 1)
         sk, sv, sdt, ssg, sad = a(E1 * H * NS), a(E1 * di), a(E1 * H), a(E1 * H), a(E1 * H)
-        S, Ec, yg = a(2 * B * H * HP * NS), a(2 * B * H), a(B * di)
-        scal, off, cbeg = a(6), a(2 * (B + 1)), a(2 * (B + 1))
-        fdesc, ydesc, self.rep, self.last_row = a(24 * B), a(24 * B), a(12 * B), a(2 * B)
+        S, Ec, yg, seg = a(B * H * HP * NS), a(B * H), a(B * di), a(B * H * (M3_Q + 1))
+        scal, off = a(8), a(2 * (B + 1))
+        fdesc, ydesc, self.rep, self.last_row = a(12 * B), a(12 * B), a(12 * B), a(2 * B)
         zero = a(2 * B)
         be._ck(be.cu.cuMemsetD32Async(zero, 0, 2 * B, be.stream().cu), "cuMemsetD32Async")
         new = I["off"]  # the new token's row b is row b of the rows of its own
@@ -395,7 +390,7 @@ class M3Session(_SsdSession):
             xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
                                    fast)
             Bn, Cn = be._m3_bc_norms(cs, sc, B, 1, I, zx, di, NP, Bn_w, Cn_w, fast)
-            L(cs, "mb_m3_step_plan_k", (1,), THREADS, B, g, self.ctl, scal, off, cbeg,
+            L(cs, "mb_m3_step_plan_k", (1,), THREADS, B, g, self.ctl, scal, off,
               fdesc, ydesc, self.rep, self.last_row)
             L(cs, "mb_m3_prep_k", be._rows_grid(H + NA, B), THREADS,
               B, off, new, zero, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias,
@@ -411,15 +406,13 @@ class M3Session(_SsdSession):
                   B, H, new, dtn, sgn, pk, pv, h)
                 for p, n in ((pk, B * H * NS), (pv, B * H * HP)):
                     be._ck(be.cu.cuMemsetD32Async(p, 0, n, cs), "cuMemsetD32Async")
-            L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 4)),),  # a seal loops
-              THREADS, B, H, scal, qn, kn, vn, dtn, sgn, adn, qgn, bq, bk, bv, bdt,
-              bsg, bad, qkg, sk, sv, sdt, ssg, sad)
-            L(cs, "mb_m3_fold_k", (2 * B, H), FOLD_THREADS,
+            L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 3)),),  # a seal loops
+              THREADS, B, H, scal, qn, kn, vn, dtn, sgn, adn, bq, bk, bv, bdt, bsg, bad,
+              sk, sv, sdt, ssg, sad)
+            L(cs, "mb_m3_fold_k", (B, H), FOLD_THREADS,
               fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)
-            L(cs, "mb_ssd_chain_k", (be._grid(B * H * HP * NS),), THREADS,
-              B, H, cbeg, fdesc, Ec, S, h, S)
-            L(cs, "mb_m3_y_k", (H, 2 * B), Y_THREADS, ydesc, H, di, NP, bq, bk, bv,
-              bdt, bsg, bad, qkg, S, D, zx, yg)
+            L(cs, "mb_m3_step_y_k", (H, B), HP, ydesc, scal, H, di, NP, bq, bk, bv, bdt, bsg,
+              bad, qgn, D, zx, Ec, S, h, seg, yg)
             be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
         self._body, self.NP = body, NP
         self.exec = self._capture(False)

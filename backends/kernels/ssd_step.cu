@@ -23,7 +23,7 @@ MB_DEV void step_desc(int64_t *d, int64_t b, int64_t e0, int64_t n, int64_t r0, 
 }
 
 /* Mamba-2, the step's first kernel after the conv. t = ctl[0] rows are buffered.
- * Block 0 writes the tables: scal = (count after the step, fold), cbeg = b, desc =
+ * Block 0 writes the tables: scal = (count after the step, fold, refused), desc =
  * one chunk per row (rows [0, n) at ext row b * 256, output row t, folding when it
  * fills the chunk), rep = the h_last report's chunk (the open rows after the step).
  * Every block: the new row of u (the conv's output, B x CD) and of the raw dt (ldr
@@ -35,22 +35,20 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
                                int64_t ldr, const float *dt_bias, const float *A_log,
                                int64_t lo_bits, int64_t hi_bits, const unsigned long long *guard,
                                const int64_t *ctl, float *bx, float *bd, float *dt, float *dA,
-                               float *cs, int64_t *scal, int64_t *cbeg, int64_t *desc,
-                               int64_t *rep)
+                               float *cs, int64_t *scal, int64_t *desc, int64_t *rep)
 {
     const int64_t t = ctl[0], from = ctl[1] ? 0 : t;
     const bool refused = mb_refused(guard);
     const int64_t n = refused ? t : t + 1, fold = n == STEP_Q2;
     if (blockIdx.x == 0) {
-        for (int64_t b = threadIdx.x; b <= B; b += blockDim.x) {
-            cbeg[b] = b;
-            if (b == B) continue;
+        for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
             step_desc(desc + b * MB_DESC, b, b * STEP_Q2, n, t, fold);
             step_desc(rep + b * MB_DESC, b, b * STEP_Q2, fold ? 0 : n, 0, 0);
         }
         if (threadIdx.x == 0) {
             scal[0] = n % STEP_Q2;
             scal[1] = fold;
+            scal[2] = refused;
         }
     }
     const float lo = __int_as_float((int)lo_bits), hi = __int_as_float((int)hi_bits);
@@ -78,9 +76,61 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
     }
 }
 
+/* Mamba-2: the step's output row, mb_m2_y_k's row i = t of the open chunk (G, M,
+ * Y_diag, Y_off and the sum in its expressions and orders) per (head, row) block
+ * of STEP_Q2 threads, thread j owning column j. seg[t][j], the serial sum of
+ * dA[j+1..t] from +0, is carried between steps in seg (B * H, 256): each step adds
+ * dA[t] to the columns of the row before (the same chain), or, when ctl[1] asks,
+ * walks it again. h is the state entering the chunk; a chunk that folds then moves
+ * the row's heads on, h = fma(E, h, S) as mb_ssd_chain_k does. */
+MB_KERNEL void MB_BOUNDS(STEP_Q2)
+mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
+               const float *U, const float *dt, const float *dA, const float *cs, const float *D,
+               const float *E, const float *S, float *h, float *seg, float *yb)
+{
+    __shared__ float Mt[STEP_Q2], Ct[SSD_NS];
+    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], t = d[3];
+    if (t >= n) return; /* refused: no row, the columns kept */
+    const int tid = threadIdx.x;
+    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
+    for (int m = tid; m < SSD_NS; m += STEP_Q2) Ct[m] = u[t * CD + di + SSD_NS + m];
+    __syncthreads();
+    if (tid <= t) {
+        float s = 0.0f;
+        if (ctl[1]) {
+            for (int64_t i = tid + 1; i <= t; i++) s = s + dAc[i];
+        } else if (tid < t) {
+            s = seg[bh * STEP_Q2 + tid] + dAc[t];
+        }
+        seg[bh * STEP_Q2 + tid] = s;
+        const float *Bj = u + tid * CD + di;
+        float g = 0.0f;
+#pragma unroll 8
+        for (int m = 0; m < SSD_NS; m++) g = fmaf(Ct[m], Bj[m], g);
+        Mt[tid] = g * mb_exp(s);
+    }
+    __syncthreads();
+    float *hs = h + bh * SSD_HP * SSD_NS;
+    if (tid < SSD_HP) {
+        const int64_t c = hh * SSD_HP + tid;
+        const float *dtc = dt + bh * STEP_Q2, *hp = hs + tid * SSD_NS;
+        float yd = 0.0f;
+        for (int64_t j = 0; j <= t; j++) yd = fmaf(Mt[j], u[j * CD + c] * dtc[j], yd);
+        float yo = 0.0f;
+#pragma unroll 8
+        for (int m = 0; m < SSD_NS; m++) yo = fmaf(Ct[m], hp[m], yo);
+        yb[b * di + c] = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
+    }
+    if (!d[5]) return;
+    __syncthreads(); /* h is read */
+    for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Q2)
+        hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
+}
+
 /* Mamba-2, the step's last kernel: a chunk that folded leaves zeros in the buffers
- * (as _Plan's store does); ctl moves on to the count after the step, with the cache
- * whole again. */
+ * (as _Plan's store does); ctl moves on to the count after the step, and the
+ * carried columns are whole again unless the step was refused. */
 MB_KERNEL void mb_m2_step_close_k(int64_t B, int64_t H, int64_t CD, const int64_t *scal,
                                   int64_t *ctl, float *bx, float *bd)
 {
@@ -94,36 +144,33 @@ MB_KERNEL void mb_m2_step_close_k(int64_t B, int64_t H, int64_t CD, const int64_
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         ctl[0] = scal[0];
-        ctl[1] = 0;
+        if (!scal[2]) ctl[1] = 0;
     }
 }
 
 /* Mamba-3, the step's plan (one block), before any kernel that writes state. t =
  * ctl[0] in [0, 64] rows of the working chunk are buffered. The new token goes to
  * row w = t, or, when t = 64, seals the chunk (which folds with the new token's
- * beta) and becomes row 0 of the next. Tables: scal = (seal, w, refused); off, the
- * new token's packed rows (none when refused); two chunks per row for the state
- * pass (cbeg = 2 b): the sealed chunk at ext row b * 65 of the seal copies
- * (fdesc, folding only at a seal) and the chunk holding the new token (ydesc: rows
- * [0, w] of the buffers, output row w); rep and last, the reports' chunk and row
- * (the working chunk after the step). ctl moves on at the end. */
+ * beta) and becomes row 0 of the next. Tables: scal = (seal, w, refused, whole:
+ * the carried columns are to be walked again, ctl[1]); off, the new token's packed
+ * rows (none when refused); fdesc, the sealed chunk at ext row b * 65 of the seal
+ * copies (folding only at a seal); ydesc, the chunk holding the new token (rows
+ * [0, w] of the buffers, output row w; none when refused); rep and last, the
+ * reports' chunk and row (the working chunk after the step). ctl moves on at the
+ * end. */
 MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int64_t *ctl,
-                                 int64_t *scal, int64_t *off, int64_t *cbeg, int64_t *fdesc,
-                                 int64_t *ydesc, int64_t *rep, int64_t *last)
+                                 int64_t *scal, int64_t *off, int64_t *fdesc, int64_t *ydesc,
+                                 int64_t *rep, int64_t *last)
 {
-    const int64_t t = ctl[0];
+    const int64_t t = ctl[0], whole = ctl[1];
     const bool refused = mb_refused(guard);
     const int64_t seal = !refused && t == M3Q, w = t == M3Q ? 0 : t;
     const int64_t after = refused ? t : t % M3Q + 1, nrep = after > 0 ? after : 1;
     for (int64_t b = threadIdx.x; b <= B; b += blockDim.x) {
         off[b] = refused ? 0 : b;
-        cbeg[b] = 2 * b;
         if (b == B) continue;
-        int64_t *f = fdesc + 2 * b * MB_DESC, *y = ydesc + 2 * b * MB_DESC;
-        step_desc(f, b, b * (M3Q + 1), M3Q, M3Q, seal);
-        step_desc(f + MB_DESC, b, 0, 0, 0, 0);
-        step_desc(y, b, 0, 0, 0, 0);
-        step_desc(y + MB_DESC, b, b * M3Q, refused ? 0 : w + 1, refused ? 0 : w, 0);
+        step_desc(fdesc + b * MB_DESC, b, b * (M3Q + 1), M3Q, M3Q, seal);
+        step_desc(ydesc + b * MB_DESC, b, b * M3Q, refused ? 0 : w + 1, refused ? 0 : w, 0);
         step_desc(rep + b * MB_DESC, b, b * M3Q, nrep, 0, 0);
         last[b] = b * M3Q + nrep - 1;
     }
@@ -131,9 +178,13 @@ MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int
         scal[0] = seal;
         scal[1] = w;
         scal[2] = refused;
+        scal[3] = whole;
     }
     __syncthreads(); /* every thread has read ctl */
-    if (threadIdx.x == 0) ctl[0] = after;
+    if (threadIdx.x == 0) {
+        ctl[0] = after;
+        if (!refused) ctl[1] = 0;
+    }
 }
 
 /* One array's part of m3_step_rows: element c of row j of batch row b. Without a
@@ -157,42 +208,103 @@ MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, i
     *at = j == 0 ? v : 0.0f;
 }
 
-/* Mamba-3: the new token's rows (q, k, v, dt, sig, A*dt, qk_gamma, computed into
- * rows of their own by the one-token kernels) into the working chunk's buffers, as
- * the plan in scal says; at a seal the old chunk is first copied for its fold and
- * the buffers keep only the new row (as _Plan's store does). qkg (B, 64, H) is the
- * y kernel's qk_gamma ext array. Nothing when the step was refused. */
+/* Mamba-3: the new token's rows (q, k, v, dt, sig, A*dt, computed into rows of
+ * their own by the one-token kernels) into the working chunk's buffers, as the
+ * plan in scal says; at a seal the old chunk is first copied for its fold and the
+ * buffers keep only the new row (as _Plan's store does). Nothing when the step was
+ * refused. */
 MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, const float *qn,
                                  const float *kn, const float *vn, const float *dtn,
-                                 const float *sgn, const float *adn, const float *qgn, float *bq,
-                                 float *bk, float *bv, float *bdt, float *bsg, float *bad,
-                                 float *qkg, float *sk, float *sv, float *sdt, float *ssg,
-                                 float *sad)
+                                 const float *sgn, const float *adn, float *bq, float *bk,
+                                 float *bv, float *bdt, float *bsg, float *bad, float *sk,
+                                 float *sv, float *sdt, float *ssg, float *sad)
 {
     if (scal[2]) return;
     const bool seal = scal[0] != 0;
     const int64_t w = scal[1], rows = seal ? M3Q : 1, WQ = H * SSD_NS, WV = H * SSD_HP;
-    const int64_t WT = 2 * WQ + WV + 4 * H;
+    const int64_t WT = 2 * WQ + WV + 3 * H;
     MB_GRID_LOOP(i, B * rows * WT) {
         const int64_t b = i / (rows * WT), j = (i / WT) % rows;
         int64_t c = i % WT;
-        if (c < WQ) {
+        if (c < WQ)
             m3_step_row(b, j, c, WQ, seal, w, qn, bq, nullptr, false);
-        } else if ((c -= WQ) < WQ) {
+        else if ((c -= WQ) < WQ)
             m3_step_row(b, j, c, WQ, seal, w, kn, bk, sk, false);
-        } else if ((c -= WQ) < WV) {
+        else if ((c -= WQ) < WV)
             m3_step_row(b, j, c, WV, seal, w, vn, bv, sv, false);
-        } else if ((c -= WV) < H) {
+        else if ((c -= WV) < H)
             m3_step_row(b, j, c, H, seal, w, dtn, bdt, sdt, true);
-        } else if ((c -= H) < H) {
+        else if ((c -= H) < H)
             m3_step_row(b, j, c, H, seal, w, sgn, bsg, ssg, true);
-        } else if ((c -= H) < H) {
-            m3_step_row(b, j, c, H, seal, w, adn, bad, sad, false);
-        } else if (j == 0) {
-            c -= H;
-            qkg[(b * M3Q + w) * H + c] = qgn[b * H + c];
-        }
+        else
+            m3_step_row(b, j, c - H, H, seal, w, adn, bad, sad, false);
     }
 }
 
+#define STEP_Y3 64 /* threads of mb_m3_step_y_k: one per column j, then per p */
+
+/* Mamba-3: the step's output row, mb_m3_y_k's row i = w of the chunk holding the
+ * new token (G, M, ys, yi, the D and qk_gamma term and the gate in its expressions
+ * and orders) per (head, row) block. seg[w][j] of the columns j < w (the serial sum
+ * of A*dt[j+1..w] from +0) and the cumsum cs_w are carried between steps in seg
+ * (B * H, 65; cs in the last slot): each step adds A*dt[w] to the row before's,
+ * or walks them again when the plan says whole (or a chunk starts). At a seal the
+ * block first moves its heads' state on, h = fma(E, h, S) as mb_ssd_chain_k does,
+ * h then being the state entering the chunk. qg: the new token's qk_gamma (B, H). */
+MB_KERNEL void MB_BOUNDS(STEP_Y3)
+mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di, int64_t dip,
+               const float *Q, const float *K, const float *V, const float *DT, const float *SIG,
+               const float *ADT, const float *qg, const float *D, const float *zx,
+               const float *E, const float *S, float *h, float *seg, float *yg)
+{
+    __shared__ float Mt[M3Q + 1], qs[SSD_NS];
+    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = ydesc + b * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], w = d[3];
+    if (w >= n) return; /* refused: no row, the columns kept */
+    const int tid = threadIdx.x;
+    const bool whole = scal[3] != 0;
+    float *hs = h + bh * SSD_HP * SSD_NS, *sg = seg + bh * (M3Q + 1);
+    if (scal[0])
+        for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Y3)
+            hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
+    const float *q = Q + ((e0 + w) * H + hh) * SSD_NS;
+    for (int m = tid; m < SSD_NS; m += STEP_Y3) qs[m] = q[m];
+    __syncthreads();
+    const float *adt = ADT + e0 * H + hh; /* row u at adt[u * H] */
+    if (tid < w) {
+        float s = 0.0f;
+        if (whole || tid == w - 1)
+            for (int64_t i = tid + 1; i <= w; i++) s = s + adt[i * H];
+        else
+            s = sg[tid] + adt[w * H];
+        sg[tid] = s;
+        const float sc = m3_scale(DT, SIG, H, (e0 + tid) * H + hh, true);
+        const float *kj = K + ((e0 + tid) * H + hh) * SSD_NS;
+        float g = 0.0f;
+#pragma unroll 8
+        for (int m = 0; m < SSD_NS; m++) g = fmaf(qs[m], kj[m] * sc, g);
+        Mt[tid] = g * mb_exp(s);
+    } else if (tid == w) {
+        float c = 0.0f;
+        if (whole || w == 0)
+            for (int64_t i = 0; i <= w; i++) c = c + adt[i * H];
+        else
+            c = sg[M3Q] + adt[w * H];
+        sg[M3Q] = c;
+        Mt[M3Q] = mb_exp(c);
+    }
+    __syncthreads();
+    const int p = tid;
+    const float *hp = hs + p * SSD_NS, *v = V + (e0 * H + hh) * SSD_HP + p; /* row u at v[u * H * HP] */
+    float ys = 0.0f;
+#pragma unroll 8
+    for (int m = 0; m < SSD_NS; m++) ys = fmaf(qs[m], hp[m], ys);
+    float yi = 0.0f;
+    for (int64_t u = 0; u < w; u++) yi = fmaf(Mt[u], v[u * H * SSD_HP], yi);
+    float y = ys * Mt[M3Q] + yi;
+    y = y + (D[hh] + qg[bh]) * v[w * H * SSD_HP];
+    yg[b * di + hh * SSD_HP + p] = y * mb_silu(zx[b * dip + hh * SSD_HP + p]);
+}
+
+#undef STEP_Y3
 #undef STEP_Q2
