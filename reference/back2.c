@@ -336,9 +336,10 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     for (int64_t m = 0; m < M; m++) {
         mb_fpenv env = mb_fpenv_enter();
         const float *Y = acts.Y + m * di, *z = acts.zxd + m * NP, *d = dg + m * di;
-        for (int64_t j = 0; j < di; j++) {
-            dzxd[m * NP + j] = (d[j] * Y[j]) * mb_dsilu(z[j]);
-            dY[m * di + j] = d[j] * mb_silu(z[j]);
+        for (int64_t j = 0; j < di; j++) { /* silu and silu' from one exp(-z) */
+            const float e1 = 1.0f + mb_exp(-z[j]), s = 1.0f / e1;
+            dzxd[m * NP + j] = (d[j] * Y[j]) * (s * (1.0f + z[j] * (1.0f - s)));
+            dY[m * di + j] = d[j] * (z[j] / e1);
         }
         mb_fpenv_exit(env);
     }
@@ -359,41 +360,19 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     }
 
     /* per-head vectors: D over (token, p), A_log and dt_bias over tokens */
+    #pragma omp parallel for schedule(dynamic) if (M * H > (1 << 12))
     for (int64_t h = 0; h < H; h++) {
+        mb_fpenv env = mb_fpenv_enter();
         gr->D[h] = MB_ISA_FN(mb_fold_flat)(M, HP, dY + h * HP, di, acts.u + h * HP, CD);
-        gr->A_log[h] = MB_ISA_FN(mb_fold_flat)(M, 1, ddA + h, H, dts + h, H) * -mb_exp(w->A_log[h]);
-        gr->dt_bias[h] = MB_ISA_FN(mb_fold_flat)(M, 1, dzxd + di + CD + h, NP, NULL, 0);
+        mb_fpenv_exit(env);
     }
+    MB_ISA_FN(mb_colfold)(B, L, H, ddA, H, dts, H, 0, gr->A_log, 1);
+    for (int64_t h = 0; h < H; h++) gr->A_log[h] = gr->A_log[h] * -mb_exp(w->A_log[h]);
+    MB_ISA_FN(mb_colfold)(B, L, H, dzxd + di + CD, NP, NULL, 0, 0, gr->dt_bias, 1);
 
-    /* conv + silu: dpre = du * silu'(pre), in place */
-    const float *xin = acts.zxd + di;
-    #pragma omp parallel for schedule(static) if (M * CD > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
-        mb_fpenv env = mb_fpenv_enter();
-        float *d = du + m * CD;
-        const float *pr = acts.pre + m * CD;
-        for (int64_t ch = 0; ch < CD; ch++) d[ch] = d[ch] * mb_dsilu(pr[ch]);
-        mb_fpenv_exit(env);
-    }
-    MB_ISA_FN(mb_colfold)(B, L, CD, du, CD, NULL, 0, 0, gr->conv_b, 1);
-    for (int kk = 0; kk < TAPS; kk++)
-        MB_ISA_FN(mb_colfold)(B, L, CD, du, CD, xin, NP, TAPS - 1 - kk, gr->conv_w + kk, TAPS);
-    /* d(xBC) at token t: taps ascending, over the outputs t + 3 - k that exist */
-    #pragma omp parallel for schedule(static) if (M * CD > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
-        mb_fpenv env = mb_fpenv_enter();
-        const int64_t t = m % L;
-        float *o = dzxd + m * NP + di;
-        for (int64_t ch = 0; ch < CD; ch++) o[ch] = 0.0f;
-        for (int kk = 0; kk < TAPS; kk++) {
-            const int64_t tp = t + (TAPS - 1) - kk;
-            if (tp >= L)
-                continue;
-            const float *d = du + (m - t + tp) * CD;
-            for (int64_t ch = 0; ch < CD; ch++) o[ch] = fmaf(w->conv_w[ch * TAPS + kk], d[ch], o[ch]);
-        }
-        mb_fpenv_exit(env);
-    }
+    /* conv + silu: dpre = du * silu'(pre), in place; d(xBC) into dzxd */
+    MB_ISA_FN(mb_conv_silu_bwd)(B, L, CD, du, CD, acts.pre, CD, acts.zxd + di, NP, w->conv_w,
+                                gr->conv_w, gr->conv_b, dzxd + di, NP);
 
     /* in_proj: dW = dzxd^T . xn over the tokens; dxn = dzxd . W */
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->block_norm_w, xn, dm);

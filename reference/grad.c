@@ -10,6 +10,7 @@
 
 #define TB 32   /* transpose tile */
 #define CBLK 64 /* columns per colfold task */
+#define RB 8    /* rows per rmsnorm-backward block */
 
 void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64_t lds,
                              float *dst, int64_t ldd)
@@ -28,20 +29,28 @@ void MB_ISA_FN(mb_rmsnorm_bwd_rows)(int64_t M, int64_t n, const float *x, int64_
                                     float *dx, int64_t lddx, float *xr, int64_t ldxr)
 {
     const float fn = (float)n;
-    #pragma omp parallel if (M * n > (1 << 16))
-    {
+    /* blocks of RB rows: their dot chains run interleaved (mb_dot_rows) */
+    #pragma omp parallel for schedule(static) if (M * n > (1 << 16))
+    for (int64_t m0 = 0; m0 < M; m0 += RB) {
         mb_fpenv env = mb_fpenv_enter();
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * ldx, *dm = dout + m * ldd;
-            float *o = dx + m * lddx;
-            const float r = mb_rsqrt(mb_dot(n, xm, 1, xm, 1) / fn + MB_EPS);
+        const int64_t R = M - m0 < RB ? M - m0 : RB;
+        const float *xb = x + m0 * ldx;
+        float *ob = dx + m0 * lddx, ss[RB], sd[RB];
+        mb_dot_rows(R, n, xb, ldx, xb, ldx, ss, 1);
+        for (int64_t i = 0; i < R; i++) {
+            const float *dm = dout + (m0 + i) * ldd;
+            float *o = ob + i * lddx;
             for (int64_t j = 0; j < n; j++) o[j] = dm[j] * w[j]; /* dxh, in place */
-            const float s = mb_dot(n, o, 1, xm, 1);
-            const float coef = -(((s * r) * r) * r) / fn;
+        }
+        mb_dot_rows(R, n, ob, lddx, xb, ldx, sd, 1);
+        for (int64_t i = 0; i < R; i++) {
+            const float *xm = xb + i * ldx;
+            float *o = ob + i * lddx;
+            const float r = mb_rsqrt(ss[i] / fn + MB_EPS);
+            const float coef = -(((sd[i] * r) * r) * r) / fn;
             for (int64_t j = 0; j < n; j++) o[j] = (o[j] * r) + (xm[j] * coef);
             if (xr)
-                for (int64_t j = 0; j < n; j++) xr[m * ldxr + j] = xm[j] * r;
+                for (int64_t j = 0; j < n; j++) xr[(m0 + i) * ldxr + j] = xm[j] * r;
         }
         mb_fpenv_exit(env);
     }
@@ -85,9 +94,22 @@ float MB_ISA_FN(mb_fold_flat)(int64_t rows, int64_t cols, const float *a, int64_
 {
     mb_dot_tree tree;
     tree.top = 0;
+    int64_t r0 = 0;
+    if (b && cols <= MB_DOT_LEAF && MB_DOT_LEAF % cols == 0) {
+        /* whole leaves are whole rows: eight leaves' chains at a time, interleaved */
+        const int64_t lr = MB_DOT_LEAF / cols;
+        for (; r0 + 8 * lr <= rows; r0 += 8 * lr) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t r = r0; r < r0 + lr; r++)
+                for (int64_t c = 0; c < cols; c++)
+                    for (int u = 0; u < 8; u++)
+                        acc[u] = fmaf(a[(r + u * lr) * lda + c], b[(r + u * lr) * ldb + c], acc[u]);
+            for (int u = 0; u < 8; u++) mb_dot_tree_push(&tree, acc[u]);
+        }
+    }
     float acc = 0.0f;
     int64_t cnt = 0;
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = r0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
             acc = b ? fmaf(a[r * lda + c], b[r * ldb + c], acc) : acc + a[r * lda + c];
             if (++cnt == MB_DOT_LEAF) {
@@ -116,18 +138,43 @@ void MB_ISA_FN(mb_conv_silu_bwd)(int64_t B, int64_t L, int64_t C, float *d, int6
                                  const float *pre, int64_t ldp, const float *in, int64_t ldi,
                                  const float *w, float *gw, float *gb, float *dx, int64_t ldx)
 {
-    const int64_t M = B * L;
-    #pragma omp parallel for schedule(static) if (M * C > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
+    const int64_t M = B * L, P = (M + MB_DOT_LEAF - 1) / MB_DOT_LEAF, nb = (C + CBLK - 1) / CBLK;
+    /* per column block, one pass over the tokens: dpre, then the bias's and the taps'
+     * chains (mb_colfold's, with the flat token index cut into leaves) */
+    #pragma omp parallel for schedule(dynamic) if (M * C > (1 << 15))
+    for (int64_t task = 0; task < nb; task++) {
         mb_fpenv env = mb_fpenv_enter();
-        float *dm = d + m * ldd;
-        const float *pr = pre + m * ldp;
-        for (int64_t c = 0; c < C; c++) dm[c] = dm[c] * mb_dsilu(pr[c]);
+        const int64_t c0 = task * CBLK, nc = C - c0 < CBLK ? C - c0 : CBLK;
+        float acc[5][CBLK];
+        mb_dot_tree tree[5][CBLK];
+        for (int o = 0; o < 5; o++)
+            for (int64_t c = 0; c < nc; c++) tree[o][c].top = 0;
+        for (int64_t p = 0; p < (P ? P : 1); p++) {
+            const int64_t k1 = (p + 1) * MB_DOT_LEAF < M ? (p + 1) * MB_DOT_LEAF : M;
+            for (int o = 0; o < 5; o++)
+                for (int64_t c = 0; c < nc; c++) acc[o][c] = 0.0f;
+            for (int64_t m = p * MB_DOT_LEAF; m < k1; m++) {
+                const int64_t t = m % L;
+                float *dm = d + m * ldd + c0;
+                const float *pr = pre + m * ldp + c0;
+                for (int64_t c = 0; c < nc; c++) dm[c] = dm[c] * mb_dsilu(pr[c]);
+                for (int64_t c = 0; c < nc; c++) acc[4][c] = acc[4][c] + dm[c];
+                for (int k = 0; k < 4; k++) {
+                    if (t < 3 - k)
+                        continue;
+                    const float *ir = in + (m - (3 - k)) * ldi + c0;
+                    for (int64_t c = 0; c < nc; c++) acc[k][c] = fmaf(dm[c], ir[c], acc[k][c]);
+                }
+            }
+            for (int o = 0; o < 5; o++)
+                for (int64_t c = 0; c < nc; c++) mb_dot_tree_push(&tree[o][c], acc[o][c]);
+        }
+        for (int64_t c = 0; c < nc; c++) {
+            gb[c0 + c] = mb_dot_tree_sum(&tree[4][c]);
+            for (int k = 0; k < 4; k++) gw[(c0 + c) * 4 + k] = mb_dot_tree_sum(&tree[k][c]);
+        }
         mb_fpenv_exit(env);
     }
-    MB_ISA_FN(mb_colfold)(B, L, C, d, ldd, NULL, 0, 0, gb, 1);
-    for (int k = 0; k < 4; k++)
-        MB_ISA_FN(mb_colfold)(B, L, C, d, ldd, in, ldi, 3 - k, gw + k, 4);
     #pragma omp parallel for schedule(static) if (M * C > (1 << 15))
     for (int64_t m = 0; m < M; m++) {
         mb_fpenv env = mb_fpenv_enter();
