@@ -359,13 +359,12 @@ MB_DEV float m1b_pre_store(const m1b_pre &p, float *buf)
 /* One chunk of mb_m1b_chunk_k (below): nt tokens from flat token mc, carries at ck.
  * FULL: nt = M1B_TC, the token loops free of guards. */
 template <bool FULL>
-MB_DEV void m1b_chunk(int64_t di, int64_t R, int64_t M, int64_t mc, int64_t ck, int ntv,
+MB_DEV void m1b_chunk(float *sm, int64_t di, int64_t R, int64_t M, int64_t mc, int64_t ck, int ntv,
                       bool tail, const float *delta, const float *u, const float *xz,
                       const float *xdbl, const float *spre, const float *dyg, const float *dys,
                       const float *A_log, const float *D, const float *dhk, const float *hk,
                       float *yg, float *dxz, float *ds, float *dus, float *dxdbl, float *parts)
 {
-    extern __shared__ float sm[];
     float *DH = sm, *H = DH + M1B_TC * M1B_TOK, *W = H + M1B_SG * M1B_TOK;
     float *IN = W + M1B_SG * M1B_TOK, *BC = IN + 2 * M1B_BUF;
     const int tid = threadIdx.x, hi = tid / NS, lo = tid % NS, nt = FULL ? M1B_TC : ntv;
@@ -524,15 +523,16 @@ mb_m1b_chunk_k(int64_t L, int64_t di, int64_t R, int64_t b0, int64_t nb, int64_t
                const float *D, const float *dhk, const float *hk, float *yg, float *dxz,
                float *ds, float *dus, float *dxdbl, float *parts)
 {
+    extern __shared__ __align__(16) float sm[]; /* M1B_SMEM floats */
     const int64_t per = di * NS, nch = (L + M1B_TC - 1) / M1B_TC;
     for (int64_t j = blockIdx.x; j < nb * nch; j += gridDim.x) {
         const int64_t t0 = j % nch * M1B_TC, mc = (b0 + j / nch) * L + t0;
         const int nt = (int)m1b_min(L - t0, M1B_TC);
         if (nt == M1B_TC)
-            m1b_chunk<true>(di, R, M, mc, j * per, nt, t0 + nt < L, delta, u, xz, xdbl, spre,
+            m1b_chunk<true>(sm, di, R, M, mc, j * per, nt, t0 + nt < L, delta, u, xz, xdbl, spre,
                             dyg, dys, A_log, D, dhk, hk, yg, dxz, ds, dus, dxdbl, parts);
         else
-            m1b_chunk<false>(di, R, M, mc, j * per, nt, false, delta, u, xz, xdbl, spre, dyg,
+            m1b_chunk<false>(sm, di, R, M, mc, j * per, nt, false, delta, u, xz, xdbl, spre, dyg,
                              dys, A_log, D, dhk, hk, yg, dxz, ds, dus, dxdbl, parts);
     }
 }

@@ -330,7 +330,7 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                const float *F0c, const float *D, const float *zx, const float *dyg, float *dzx,
                float *dQKG, float *dQ, float *dK, float *dsc, float *dadt, float *TH)
 {
-    extern __shared__ float sm[];
+    extern __shared__ __align__(16) float sm[];
     float *cs = sm, *ev = cs + M3Q, *sc = ev + M3Q, *dec = sc + M3Q, *av = dec + M3Q;
     float *Fv = av + M3Q, *Rv = Fv + M3Q, *adt = Rv + M3Q;
     float *DY = sm + 8 * M3Q;      /* dy (M3Q, B3_RS); then dvd, then halves of dks */

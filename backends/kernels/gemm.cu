@@ -76,24 +76,19 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
 #pragma unroll
             for (int q = 0; q < QB; q++) pb[q] = *(const float4 *)(wp[q] + kt);
         } else {
+            /* the first `left` of four terms (terms past K are loaded as +0, never used) */
+            auto part = [](const float *s, int left) {
+                float4 v;
+                v.x = left > 0 ? s[0] : 0.0f;
+                v.y = left > 1 ? s[1] : 0.0f;
+                v.z = left > 2 ? s[2] : 0.0f;
+                v.w = left > 3 ? s[3] : 0.0f;
+                return v;
+            };
 #pragma unroll
-            for (int q = 0; q < QA; q++) {
-                const float *s = xp[q] + kt;
-                const int left = kl - kt - ac[q];
-                pa[q].x = left > 0 ? s[0] : 0.0f;
-                pa[q].y = left > 1 ? s[1] : 0.0f;
-                pa[q].z = left > 2 ? s[2] : 0.0f;
-                pa[q].w = left > 3 ? s[3] : 0.0f;
-            }
+            for (int q = 0; q < QA; q++) pa[q] = part(xp[q] + kt, kl - kt - ac[q]);
 #pragma unroll
-            for (int q = 0; q < QB; q++) {
-                const float *s = wp[q] + kt;
-                const int left = kl - kt - bc[q];
-                pb[q].x = left > 0 ? s[0] : 0.0f;
-                pb[q].y = left > 1 ? s[1] : 0.0f;
-                pb[q].z = left > 2 ? s[2] : 0.0f;
-                pb[q].w = left > 3 ? s[3] : 0.0f;
-            }
+            for (int q = 0; q < QB; q++) pb[q] = part(wp[q] + kt, kl - kt - bc[q]);
         }
     };
     auto store = [&](int buf) {

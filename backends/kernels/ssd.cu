@@ -76,9 +76,8 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
             }
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
-                if (c0 + k >= c1) break;
-                hck[((c0 + k) * H + hh) * per + e] = v;
-                if (fold[k]) v = fmaf(ev[k], v, sv[k]);
+                if (c0 + k < c1) hck[((c0 + k) * H + hh) * per + e] = v;
+                if (fold[k]) v = fmaf(ev[k], v, sv[k]); /* fold is false past c1 */
             }
         }
         h[i] = v;
@@ -110,8 +109,7 @@ MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const 
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t c = ct - k;
-                if (c < c0) break;
-                dh[(c * H + hh) * per + e] = v;
+                if (c >= c0) dh[(c * H + hh) * per + e] = v;
                 if (c > c0) v = fmaf(ev[k], v, sv[k]);
             }
         }
