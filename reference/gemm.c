@@ -34,6 +34,8 @@
 #define GR 32      /* ... by GR rows of W per tile */
 #define SMALL_M 4  /* M up to this takes the GEMV path */
 #define MIN_PAR (1 << 16) /* multiply-adds below which a second thread costs more than it gives */
+#define KC 256     /* k per slab of the strided-left path: a slab of panel stays in L1 */
+#define TNB 128    /* rows per task of that path (a multiple of MR) */
 
 typedef void (*leaf_fn)(const void *arg, int64_t k0, int64_t kl, float *t);
 
@@ -183,6 +185,34 @@ static void pack_left(int64_t M, int64_t K, const operands *op, int64_t m0, floa
             for (int i = 0; i < MR; i++) ap[k * MR + i] = x[i][k * op->sak];
 }
 
+/* Rows [m0, m1) of a strided left operand against every panel of a k-major right one,
+ * K within one leaf, k in slabs of KC: per slab the block's rows are packed (they
+ * stay in L2) and each panel's slab (in L1) runs past them; the chains continue from
+ * slab to slab through ob, the block's outputs at stride ldo. */
+static void tn_block(int64_t M, int64_t N, int64_t K, const operands *op, int64_t m0,
+                     int64_t m1, float *wp, float *ap, float *ob, int64_t ldo, float *Y,
+                     int64_t ldy)
+{
+    const int64_t np = (N + NR - 1) / NR;
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kl = K - k0 < KC ? K - k0 : KC;
+        operands o = *op;
+        o.a += k0 * op->sak;
+        for (int64_t m = m0; m < m1; m += MR) pack_left(M, kl, &o, m, ap + (m - m0) * kl);
+        for (int64_t p = 0; p < np; p++) {
+            pack_rows(N, kl, op->w + k0 * op->ldw, op->ldw, p * NR, wp);
+            for (int64_t m = m0; m < m1; m += MR) {
+                const float *x[MR];
+                for (int i = 0; i < MR; i++) x[i] = ap + (m - m0) * kl + i;
+                mb_tile_more(MR, NV, kl, 0, x, MR, wp, NR, ob + (m - m0) * ldo + p * NR, ldo, MR,
+                             k0 > 0);
+            }
+        }
+    }
+    for (int64_t m = m0; m < m1; m++)
+        memcpy(Y + m * ldy, ob + (m - m0) * ldo, (size_t)N * sizeof(float));
+}
+
 static int gemm_packed(int64_t M, int64_t N, int64_t K, const operands *op, float *Y, int64_t ldy)
 {
     /* A task is a block of rows of the left operand against one panel of the right
@@ -190,26 +220,38 @@ static int gemm_packed(int64_t M, int64_t N, int64_t K, const operands *op, floa
      * stays hot in L2 (K*64 bytes) while the block's tiles stream past it. Blocks are
      * tall enough that repacking a panel per block costs a few percent, short enough
      * to give both cores work. A left operand with strided rows (sak != 1) is packed
-     * too, once per task: its tasks take every panel in turn, with blocks short
-     * enough that the packed rows stay in L2 beside the panel. */
-    const int pl = op->sak != 1;
+     * too, once per task: its tasks take every panel in turn, in slabs of k (tn_block)
+     * within a leaf, else with blocks short enough that the packed rows stay in L2
+     * beside the panel. */
+    const int pl = op->sak != 1, slab = pl && K <= LEAF && !op->trans;
     int64_t np = (N + NR - 1) / NR, kl = K < LEAF ? K : LEAF;
     int64_t mb = (1 << (pl ? 17 : 18)) / kl / MR * MR;
     mb = pl ? (mb < MR ? MR : mb > 128 ? 128 / MR * MR : mb) : (mb < 96 ? 96 : mb > 384 ? 384 : mb);
-    int64_t nmb = (M + mb - 1) / mb, ntask = pl ? nmb : nmb * np;
     int par = M * N * K >= MIN_PAR, nt = par ? mb_max_threads() : 1;
-    /* whole cache lines per thread: the panel, and the packed left rows */
-    const int64_t per = ((NR + (pl ? mb : 0)) * K + 15) & ~(int64_t)15;
+    if (slab) { /* blocks of about TNB rows, as many as a multiple of the threads */
+        const int64_t nb = ((M + TNB - 1) / TNB + nt - 1) / nt * nt;
+        mb = ((M + nb - 1) / nb + MR - 1) / MR * MR;
+    }
+    int64_t nmb = (M + mb - 1) / mb, ntask = pl ? nmb : nmb * np;
+    /* whole cache lines per thread: the panel, the packed left rows, the slab path's
+     * outputs */
+    const int64_t per = slab ? (NR * KC + mb * KC + mb * np * NR + 15) & ~(int64_t)15
+                             : ((NR + (pl ? mb : 0)) * K + 15) & ~(int64_t)15;
     float *scratch = aligned_alloc(64, (size_t)(nt * per) * sizeof(float));
     if (!scratch) return 0;
 #pragma omp parallel num_threads(nt) if (par)
     {
         mb_fpenv fe = mb_fpenv_enter();
-        float *wp = scratch + mb_thread_num() * per, *ap = wp + NR * K;
+        float *wp = scratch + mb_thread_num() * per;
+        float *ap = wp + NR * (slab ? KC : K), *ob = ap + mb * KC;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntask; task++) {
             const int64_t m0 = (pl ? task : task / np) * mb, m1 = m0 + mb < M ? m0 + mb : M;
             const int64_t p0 = pl ? 0 : task % np, p1 = pl ? np : p0 + 1;
+            if (slab) {
+                tn_block(M, N, K, op, m0, m1, wp, ap, ob, np * NR, Y, ldy);
+                continue;
+            }
             if (pl)
                 for (int64_t m = m0; m < m1; m += MR) pack_left(M, K, op, m, ap + (m - m0) * K);
             for (int64_t p = p0; p < p1; p++) {

@@ -10,16 +10,14 @@
 #define MB_TILE_MAXR 16
 #define MB_TILE_MAXV 16
 
-/* out[r * ldo + j] = chain over k < K + r * dK of a[r][k * sak] * b[k * ldb + j], for
- * r < R and j < V * MB_VW; only rows r < nr are stored. dK is 0, or 1 for a causal
- * product: the rows share the first K terms and row r then finishes its own r more.
- * Rows past nr may repeat a valid row pointer; they run the shared terms only and
- * their results are dropped. */
-static inline __attribute__((always_inline)) void mb_tile(const int R, const int V, int64_t K,
-                                                          int dK, const float *const *a,
-                                                          int64_t sak, const float *b,
-                                                          int64_t ldb, float *out,
-                                                          int64_t ldo, int nr)
+/* mb_tile, with the chains seeded from out (rows r < nr) when more is set: a chain
+ * stored by one call and continued by the next gives the same bits as one call over
+ * the k of both. */
+static inline __attribute__((always_inline)) void mb_tile_more(const int R, const int V, int64_t K,
+                                                               int dK, const float *const *a,
+                                                               int64_t sak, const float *b,
+                                                               int64_t ldb, float *out,
+                                                               int64_t ldo, int nr, int more)
 {
     if (R > MB_TILE_MAXR || V > MB_TILE_MAXV) /* folds away: R and V are constants */
         __builtin_trap();
@@ -27,7 +25,8 @@ static inline __attribute__((always_inline)) void mb_tile(const int R, const int
     MB_UNROLL
     for (int r = 0; r < R; r++)
         MB_UNROLL
-        for (int j = 0; j < V; j++) c[r][j] = mb_vzero();
+        for (int j = 0; j < V; j++)
+            c[r][j] = more && r < nr ? mb_vld(out + r * ldo + j * MB_VW) : mb_vzero();
     const float *bk = b;
     for (int64_t k = 0; k < K; k++, bk += ldb) {
         mb_vf bv[MB_TILE_MAXV];
@@ -54,6 +53,20 @@ static inline __attribute__((always_inline)) void mb_tile(const int R, const int
         if (r < nr)
             MB_UNROLL
             for (int j = 0; j < V; j++) mb_vst(out + r * ldo + j * MB_VW, c[r][j]);
+}
+
+/* out[r * ldo + j] = chain over k < K + r * dK of a[r][k * sak] * b[k * ldb + j], for
+ * r < R and j < V * MB_VW; only rows r < nr are stored. dK is 0, or 1 for a causal
+ * product: the rows share the first K terms and row r then finishes its own r more.
+ * Rows past nr may repeat a valid row pointer; they run the shared terms only and
+ * their results are dropped. */
+static inline __attribute__((always_inline)) void mb_tile(const int R, const int V, int64_t K,
+                                                          int dK, const float *const *a,
+                                                          int64_t sak, const float *b,
+                                                          int64_t ldb, float *out,
+                                                          int64_t ldo, int nr)
+{
+    mb_tile_more(R, V, K, dK, a, sak, b, ldb, out, ldo, nr, 0);
 }
 
 #endif
