@@ -3,10 +3,12 @@
  * from position 0). docs/numerics.md "Backward (Mamba-2)" gives every order.
  *
  * Phases: the forward (block2.c, keeping its activations and the state entering each
- * chunk); out_proj, gated norm and gate backward (per token); the SSD backward per
- * (row, head), serial over chunks in reverse, leaving per-head pieces of dB and dC;
- * their sum over heads per token; conv backward; in_proj and block norm backward;
- * the weight gradients as folds over the tokens. */
+ * chunk); out_proj, gated norm and gate backward (per token); the SSD backward in
+ * three passes: per chunk, the heads in order, what does not need the state's
+ * gradient (the heads' dG summed in place, dB and dC's main terms); per (row, head)
+ * the state gradient's chain over the chunks in reverse; per chunk again, the heads in
+ * order, the rest (their pieces of dB and dC added in order); conv backward; in_proj
+ * and block norm backward; the weight gradients as folds over the tokens. */
 #include <stdlib.h>
 #include <string.h>
 #include "threads.h"
@@ -29,11 +31,12 @@ typedef struct {
     const mb_m2_weights *w;
     int64_t B, L, nk, di, H, CD, NP;
     const m2_acts *a;
-    const float *dY;                 /* (M, di) gradient of Y before the gate */
-    float *du;                       /* (M, CD) gradient of u */
-    float *dzxd;                     /* (M, NP): the SSD writes the dt columns */
-    float *ddA, *dts;                /* (M, H) gradient of dA, and dt */
-    float *dGh, *dCoff, *dBst;       /* (M, H, Q), (M, H, NS), (M, H, NS) per-head pieces */
+    const float *dY;        /* (M, di) gradient of Y before the gate */
+    float *du;              /* (M, CD) gradient of u; its x part holds dXd's in-chunk part between the passes */
+    float *dzxd;            /* (M, NP): the SSD writes the dt columns */
+    float *ddA, *dts;       /* (M, H) gradient of dA, and dt */
+    float *dcs, *sacc;      /* (M, H) the cumsum's and seg's gradients before the fold's */
+    float *dhn, *dh, *E;    /* (B, H, nk, NS, HP) C^T . dyo of each chunk and dh leaving it; (B, H, nk) exp(cs_last) */
 } bctx;
 
 #define TR MB_M2_TR
@@ -42,11 +45,12 @@ typedef struct {
 /* Row strides of the chunk's scratch matrices: a column walk at a power-of-two stride
  * would fall in a few cache sets. */
 #define LDM (CQ + 16) /* (CQ, CQ) and (HP, CQ) */
-#define LDC (NS + 16) /* the chunk's copy of C */
+#define LDC (NS + 16) /* the chunk's copies of B and C */
 
-/* Per-thread scratch of the SSD backward, in floats. */
-#define BSCR (CQ * LDM + HP * LDM + CQ * LDC + 4 * CQ * HP + 4 * NS * HP + 2 * CQ * NS \
-              + 2 * TR * CQ + 12 * CQ)
+/* Per-thread scratch of the SSD backward, in floats (the larger pass's). */
+#define SCR_A (2 * CQ * LDM + HP * LDM + 2 * CQ * LDC + 3 * CQ * HP + 2 * TR * CQ + 9 * CQ)
+#define SCR_C (2 * CQ * NS + 2 * NS * HP + 3 * CQ * HP + TR * NS + 8 * CQ)
+#define BSCR (SCR_A > SCR_C ? SCR_A : SCR_C)
 
 /* The tile's rows i0 + r (r < R) of seg's gradient: dA[m] gets row i's prefix of dseg
  * below m (seg[i][j] holds dA[j+1..i]), the rows' prefix chains interleaved and each
@@ -74,52 +78,67 @@ static inline __attribute__((always_inline)) void seg_prefix(const int R, int64_
     }
 }
 
-/* One (row, head): every chunk from the last to the first, dh the gradient of the
- * state leaving the chunk under work. */
-static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
+/* The forward's per-chunk values of head h, as chunk_prep computes them, for the
+ * chunk's n rows: the softplus input, whether the clamp let it through, dt, dA, cs. */
+typedef struct { float *vpre, *live, *dt, *dA, *cs; } chunk_vals;
+
+static void chunk_prep(const bctx *c, int64_t t0, int64_t n, int64_t h, const chunk_vals *v)
 {
     const mb_m2_weights *w = c->w;
-    const int64_t L = c->L, nk = c->nk, di = c->di, H = c->H, CD = c->CD, NP = c->NP;
-    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h], Dh = w->D[h];
-    float *Mf = scr, *XdT = Mf + CQ * LDM, *Cc = XdT + HP * LDM, *Xd = Cc + CQ * LDC;
-    float *dyo = Xd + CQ * HP, *dXd = dyo + CQ * HP, *tmpv = dXd + CQ * HP, *hP = tmpv + CQ * HP;
-    float *dh = hP + HP * NS, *dhP = dh + NS * HP, *dhn = dhP + HP * NS;
-    float *Bd = dhn + NS * HP, *dBd = Bd + CQ * NS, *dMt = dBd + CQ * NS, *dsg = dMt + TR * CQ;
-    float *dt = dsg + TR * CQ, *dA = dt + CQ, *cs = dA + CQ, *ev = cs + CQ, *s = ev + CQ;
-    float *sacc = s + CQ, *dcs = sacc + CQ, *tmp = dcs + CQ, *vpre = tmp + CQ;
-    float *dec = vpre + CQ, *live = dec + CQ, *dots = live + CQ;
-    memset(dh, 0, NS * HP * sizeof(float));
+    const float A = -mb_exp(w->A_log[h]), bias = w->dt_bias[h];
+    const float *dtr = c->a->zxd + t0 * c->NP + c->di + c->CD + h;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        v->vpre[i] = dtr[i * c->NP] + bias;
+        const float sp = mb_softplus(v->vpre[i]);
+        v->live[i] = (sp < w->dt_lo || sp > w->dt_hi) ? 0.0f : 1.0f;
+        v->dt[i] = mb_clamp(sp, w->dt_lo, w->dt_hi);
+        v->dA[i] = v->dt[i] * A;
+        acc = acc + v->dA[i];
+        v->cs[i] = acc;
+    }
+}
 
-    for (int64_t k = nk - 1; k >= 0; k--) {
-        const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
-        const int folded = k < nk - 1;
-        const float *u = c->a->u + t0 * CD, *dtr = c->a->zxd + t0 * NP + di + CD + h;
-        const float *G = c->a->G + t0 * CQ, *dY = c->dY + t0 * di + h * HP;
+static chunk_vals vals_at(float *p)
+{
+    chunk_vals v = {p, p + CQ, p + 2 * CQ, p + 3 * CQ, p + 4 * CQ};
+    return v;
+}
+
+/* First pass over chunk k of row b, heads in ascending order: what does not need the
+ * gradient of the state leaving the chunk. Per head: dM, dG (summed over the heads
+ * into dGs), dseg and its prefix sums, the cumsum's gradient from Y_off, dXd's
+ * in-chunk part and C^T . dyo. Then dC and dB from dGs, before the heads' state
+ * pieces (the second pass adds those). Chains that run past their last live term
+ * (j > i here, i < j in dXd and dB) meet +0 entries: from a +0 seed those leave every
+ * bit as skipping them would. */
+static void chunk_a(const bctx *c, int64_t b, int64_t k, float *scr)
+{
+    const int64_t L = c->L, nk = c->nk, di = c->di, H = c->H, CD = c->CD;
+    const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
+    const float *u = c->a->u + t0 * CD, *G = c->a->G + t0 * CQ;
+    float *dGs = scr, *Mf = dGs + CQ * LDM, *XdT = Mf + CQ * LDM, *Cc = XdT + HP * LDM;
+    float *Bc = Cc + CQ * LDC, *Xd = Bc + CQ * LDC, *dyo = Xd + CQ * HP, *tmpv = dyo + CQ * HP;
+    float *dMt = tmpv + CQ * HP, *dsg = dMt + TR * CQ, *ev = dsg + TR * CQ, *s = ev + CQ;
+    float *sacc = s + CQ, *dcs = sacc + CQ;
+    const chunk_vals v = vals_at(dcs + CQ);
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(Bc + i * LDC, u + i * CD + di, NS * sizeof(float));
+        memcpy(Cc + i * LDC, u + i * CD + di + NS, NS * sizeof(float));
+        for (int64_t j = 0; j < n; j++) dGs[i * LDM + j] = 0.0f;
+    }
+    for (int64_t h = 0; h < H; h++) {
+        const float *dY = c->dY + t0 * di + h * HP;
         const float *hprev = c->a->hck + ((b * H + h) * nk + k) * NS * HP;
-
-        /* the forward's per-chunk values, as chunk_prep computes them */
-        float acc = 0.0f;
+        chunk_prep(c, t0, n, h, &v);
         for (int64_t i = 0; i < n; i++) {
-            vpre[i] = dtr[i * NP] + bias;
-            const float sp = mb_softplus(vpre[i]);
-            live[i] = (sp < w->dt_lo || sp > w->dt_hi) ? 0.0f : 1.0f;
-            dt[i] = mb_clamp(sp, w->dt_lo, w->dt_hi);
-            dA[i] = dt[i] * A;
-            acc = acc + dA[i];
-            cs[i] = acc;
-            ev[i] = mb_exp(cs[i]);
-        }
-        for (int64_t i = 0; i < n; i++) {
-            for (int p = 0; p < HP; p++) Xd[i * HP + p] = u[i * CD + h * HP + p] * dt[i];
-            memcpy(Cc + i * LDC, u + i * CD + di + NS, NS * sizeof(float));
+            ev[i] = mb_exp(v.cs[i]);
+            for (int p = 0; p < HP; p++) Xd[i * HP + p] = u[i * CD + h * HP + p] * v.dt[i];
         }
         mb_transpose_tile(n, HP, Xd, HP, XdT, LDM);
-        mb_transpose_tile(NS, HP, hprev, HP, hP, NS);
 
-        /* per tile of output rows: dM, dG, dseg, the Y_off terms. Chains that run past
-         * their last live term (j > i here, i < j in dXd and dB) meet +0 entries:
-         * from a +0 seed those leave every bit as skipping them would. */
         for (int64_t j = 0; j < n; j++) sacc[j] = 0.0f;
+        s[0] = 0.0f;
         for (int64_t i0 = 0; i0 < n; i0 += TR) {
             const int R = n - i0 < TR ? (int)(n - i0) : TR;
             for (int64_t jb = 0; jb < i0 + R; jb += HP)
@@ -129,15 +148,15 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
             for (int r = 0; r < R; r++) {
                 const int64_t i = i0 + r;
                 const float *dYi = dY + i * di, *Gi = G + i * CQ, *dMi = dMt + r * CQ;
-                for (int64_t j = 0; j < i; j++) s[j] = s[j] + dA[i];
+                for (int64_t j = 0; j < i; j++) s[j] = s[j] + v.dA[i];
                 s[i] = 0.0f;
-                float *dg = c->dGh + ((t0 + i) * H + h) * CQ, *mf = Mf + i * LDM, *ds = dsg + r * CQ;
+                float *gs = dGs + i * LDM, *mf = Mf + i * LDM, *ds = dsg + r * CQ;
                 for (int64_t j = 0; j <= i; j += MB_VW) {
                     const int nn = i + 1 - j < MB_VW ? (int)(i + 1 - j) : MB_VW;
                     const mb_vf lm = mb_vexp(mb_vldn(s + j, nn)), g = mb_vldn(Gi + j, nn);
                     const mb_vf dm = mb_vldn(dMi + j, nn);
                     mb_vstn(mf + j, mb_vmul(g, lm), nn);
-                    mb_vstn(dg + j, mb_vmul(dm, lm), nn);
+                    mb_vstn(gs + j, mb_vadd(mb_vldn(gs + j, nn), mb_vmul(dm, lm)), nn);
                     mb_vstn(ds + j, mb_vmul(mb_vmul(dm, g), lm), nn);
                 }
                 for (int64_t j = i + 1; j < n; j++) mf[j] = 0.0f;
@@ -149,41 +168,115 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
                 seg_prefix(TR, i0, dsg, sacc);
             else
                 seg_prefix(R, i0, dsg, sacc);
-            float *dco = c->dCoff + ((t0 + i0) * H + h) * NS;
-            MM(R, HP, dyo + i0 * HP, HP, 1, hP, NS, dco, H * NS);
-            MM(R, HP, dyo + i0 * HP, HP, 1, hP + HP, NS, dco + HP, H * NS);
         }
-        /* dXd[j] = sum over i >= j of M[i][j] dY[i] */
+        /* dXd[j] = sum over i >= j of M[i][j] dY[i], into du's x part */
         for (int64_t j0 = 0; j0 < n; j0 += TR)
             MM(n - j0 < TR ? (int)(n - j0) : TR, n - j0, Mf + j0 * LDM + j0, 1, LDM, dY + j0 * di, di,
-               dXd + j0 * HP, HP);
+               c->du + (t0 + j0) * CD + h * HP, CD);
+        /* C^T . dyo: the state gradient's part from this chunk */
+        if (k > 0)
+            for (int m0 = 0; m0 < NS; m0 += TR)
+                MM(NS - m0 < TR ? NS - m0 : TR, n, Cc + m0, 1, LDC, dyo, HP,
+                   c->dhn + ((b * H + h) * nk + k) * NS * HP + m0 * HP, HP);
+        for (int64_t i = 0; i < n; i++) {
+            c->dcs[(t0 + i) * H + h] = dcs[i];
+            c->sacc[(t0 + i) * H + h] = sacc[i];
+        }
+        c->E[(b * H + h) * nk + k] = mb_exp(v.cs[n - 1]);
+    }
+    /* dC = dGs . B and dB = dGs^T . C */
+    for (int64_t i0 = 0; i0 < n; i0 += TR) {
+        const int R = n - i0 < TR ? (int)(n - i0) : TR;
+        float *dC = c->du + (t0 + i0) * CD + di + NS;
+        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, Bc, LDC, dC, CD);
+        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, Bc + HP, LDC, dC + HP, CD);
+        float *dB = c->du + (t0 + i0) * CD + di;
+        MM(R, n - i0, dGs + i0 * LDM + i0, 1, LDM, Cc + i0 * LDC, LDC, dB, CD);
+        MM(R, n - i0, dGs + i0 * LDM + i0, 1, LDM, Cc + i0 * LDC + HP, LDC, dB + HP, CD);
+    }
+}
+
+/* The state gradient of row b, head h, from the last chunk back: dh leaving chunk
+ * k - 1 = fma(exp(cs_last of k), dh leaving k, C^T . dyo of k), or the latter alone
+ * for the last chunk (nothing leaves it). */
+static void dh_chain(const bctx *c, int64_t b, int64_t h)
+{
+    const int64_t nk = c->nk, bh = b * c->H + h;
+    for (int64_t k = nk - 1; k > 0; k--) {
+        const float *dhn = c->dhn + (bh * nk + k) * NS * HP, *dh = c->dh + (bh * nk + k) * NS * HP;
+        float *o = c->dh + (bh * nk + k - 1) * NS * HP;
+        if (k < nk - 1) {
+            const float E = c->E[bh * nk + k];
+            for (int i = 0; i < NS * HP; i++) o[i] = fmaf(E, dh[i], dhn[i]);
+        } else {
+            memcpy(o, dhn, NS * HP * sizeof(float));
+        }
+    }
+}
+
+/* Second pass over chunk k of row b, heads in ascending order: each head's Y_off
+ * piece of dC; with the state gradient dh leaving the chunk (all but the last), the
+ * fold's terms: dXd's, the head's piece of dB, the cumsum's; then dA and the outputs
+ * of the chunk's rows. */
+static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
+{
+    const mb_m2_weights *w = c->w;
+    const int64_t L = c->L, nk = c->nk, di = c->di, H = c->H, CD = c->CD, NP = c->NP;
+    const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
+    const int folded = k < nk - 1;
+    const float *u = c->a->u + t0 * CD;
+    float *Bd = scr, *dBd = Bd + CQ * NS, *hP = dBd + CQ * NS, *dhP = hP + NS * HP;
+    float *Xd = dhP + NS * HP, *dyo = Xd + CQ * HP, *tmpv = dyo + CQ * HP, *pc = tmpv + CQ * HP;
+    float *dcs = pc + TR * NS, *tmp = dcs + CQ, *dec = tmp + CQ;
+    const chunk_vals v = vals_at(dec + CQ);
+    for (int64_t h = 0; h < H; h++) {
+        const float A = -mb_exp(w->A_log[h]), Dh = w->D[h];
+        const float *dY = c->dY + t0 * di + h * HP;
+        const float *hprev = c->a->hck + ((b * H + h) * nk + k) * NS * HP;
+        chunk_prep(c, t0, n, h, &v);
+        for (int64_t i = 0; i < n; i++) {
+            const float ev = mb_exp(v.cs[i]);
+            for (int p = 0; p < HP; p++) dyo[i * HP + p] = dY[i * di + p] * ev;
+            dcs[i] = c->dcs[(t0 + i) * H + h];
+        }
+        mb_transpose_tile(NS, HP, hprev, HP, hP, NS);
+        for (int64_t i0 = 0; i0 < n; i0 += TR) { /* dC's Y_off piece */
+            const int R = n - i0 < TR ? (int)(n - i0) : TR;
+            MM(R, HP, dyo + i0 * HP, HP, 1, hP, NS, pc, NS);
+            MM(R, HP, dyo + i0 * HP, HP, 1, hP + HP, NS, pc + HP, NS);
+            for (int r = 0; r < R; r++) {
+                float *dC = c->du + (t0 + i0 + r) * CD + di + NS;
+                for (int m = 0; m < NS; m++) dC[m] = dC[m] + pc[r * NS + m];
+            }
+        }
         /* the chunk's fold h = fma(exp(cs_last), h_prev, Bd^T . Xd), when its result is used */
-        float E = 0.0f;
         if (folded) {
-            const float last = cs[n - 1];
-            E = mb_exp(last);
+            const float *dh = c->dh + ((b * H + h) * nk + k) * NS * HP;
+            const float last = v.cs[n - 1], E = c->E[(b * H + h) * nk + k];
             mb_transpose_tile(NS, HP, dh, HP, dhP, NS);
-            float T = 0.0f;
             for (int64_t j = 0; j < n; j++) {
                 const float *Bj = u + j * CD + di;
-                dec[j] = mb_exp(last - cs[j]);
+                dec[j] = mb_exp(last - v.cs[j]);
                 for (int m = 0; m < NS; m++) Bd[j * NS + m] = Bj[m] * dec[j];
+                for (int p = 0; p < HP; p++) Xd[j * HP + p] = u[j * CD + h * HP + p] * v.dt[j];
             }
             for (int64_t j0 = 0; j0 < n; j0 += TR) {
                 const int R = n - j0 < TR ? (int)(n - j0) : TR;
                 MM(R, NS, Bd + j0 * NS, NS, 1, dh, HP, tmpv, HP);
-                for (int r = 0; r < R; r++)
-                    for (int p = 0; p < HP; p++)
-                        dXd[(j0 + r) * HP + p] = dXd[(j0 + r) * HP + p] + tmpv[r * HP + p];
+                for (int r = 0; r < R; r++) {
+                    float *dx = c->du + (t0 + j0 + r) * CD + h * HP;
+                    for (int p = 0; p < HP; p++) dx[p] = dx[p] + tmpv[r * HP + p];
+                }
                 MM(R, HP, Xd + j0 * HP, HP, 1, dhP, NS, dBd + j0 * NS, NS);
                 MM(R, HP, Xd + j0 * HP, HP, 1, dhP + HP, NS, dBd + j0 * NS + HP, NS);
             }
             mb_dot_rows(n, NS, dBd, NS, u + di, CD, tmp, 1);
+            float T = 0.0f;
             for (int64_t j = 0; j < n; j++) {
                 const float *dBj = dBd + j * NS;
-                float *dbs = c->dBst + ((t0 + j) * H + h) * NS;
+                float *dB = c->du + (t0 + j) * CD + di;
                 tmp[j] = tmp[j] * dec[j];
-                for (int m = 0; m < NS; m++) dbs[m] = dBj[m] * dec[j];
+                for (int m = 0; m < NS; m++) dB[m] = dB[m] + dBj[m] * dec[j];
             }
             for (int64_t j = 0; j < n; j++) {
                 dcs[j] = dcs[j] - tmp[j];
@@ -195,70 +288,19 @@ static void ssd_bwd(const bctx *c, int64_t b, int64_t h, float *scr)
         float suf = 0.0f;
         for (int64_t i = n - 1; i >= 0; i--) {
             suf = suf + dcs[i];
-            tmp[i] = suf + sacc[i];
+            tmp[i] = suf + c->sacc[(t0 + i) * H + h];
         }
-        mb_dot_rows(n, HP, dXd, HP, u + h * HP, CD, dots, 1);
+        mb_dot_rows(n, HP, c->du + t0 * CD + h * HP, CD, u + h * HP, CD, dcs, 1);
         for (int64_t i = 0; i < n; i++) {
-            const float *dYi = dY + i * di, *dXi = dXd + i * HP;
+            const float *dYi = dY + i * di;
             float *dx = c->du + (t0 + i) * CD + h * HP;
-            for (int p = 0; p < HP; p++) dx[p] = dYi[p] * Dh + dXi[p] * dt[i];
-            const float ddt = dots[i] + tmp[i] * A;
-            const float g = vpre[i] <= 20.0f ? ddt * mb_sigmoid(vpre[i]) : ddt;
-            c->dzxd[(t0 + i) * NP + di + CD + h] = live[i] != 0.0f ? g : 0.0f;
+            for (int p = 0; p < HP; p++) dx[p] = dYi[p] * Dh + dx[p] * v.dt[i];
+            const float ddt = dcs[i] + tmp[i] * A;
+            const float g = v.vpre[i] <= 20.0f ? ddt * mb_sigmoid(v.vpre[i]) : ddt;
+            c->dzxd[(t0 + i) * NP + di + CD + h] = v.live[i] != 0.0f ? g : 0.0f;
             c->ddA[(t0 + i) * H + h] = tmp[i];
-            c->dts[(t0 + i) * H + h] = dt[i];
+            c->dts[(t0 + i) * H + h] = v.dt[i];
         }
-        /* gradient of the state entering the chunk */
-        if (k > 0) {
-            for (int m0 = 0; m0 < NS; m0 += TR)
-                MM(NS - m0 < TR ? NS - m0 : TR, n, Cc + m0, 1, LDC, dyo, HP, dhn + m0 * HP, HP);
-            if (folded)
-                for (int i = 0; i < NS * HP; i++) dh[i] = fmaf(E, dh[i], dhn[i]);
-            else
-                memcpy(dh, dhn, NS * HP * sizeof(float));
-        }
-    }
-}
-
-/* dB and dC of one chunk's rows: the head sum of dG, contracted with C (for dB) or B
- * (for dC), then the heads' state pieces added in ascending order. */
-static void bc_combine(const bctx *c, int64_t b, int64_t k, float *dGs)
-{
-    const int64_t L = c->L, H = c->H, CD = c->CD, di = c->di;
-    const int64_t n = L - k * CQ < CQ ? L - k * CQ : CQ, t0 = b * L + k * CQ;
-    const int folded = k < c->nk - 1;
-    const float *u = c->a->u + t0 * CD;
-    for (int64_t i = 0; i < n; i++) {
-        float *o = dGs + i * LDM;
-        for (int64_t j = 0; j < n; j++) o[j] = 0.0f; /* +0 past the diagonal: see ssd_bwd */
-        for (int64_t h = 0; h < H; h++) {
-            const float *g = c->dGh + ((t0 + i) * H + h) * CQ;
-            for (int64_t j = 0; j <= i; j++) o[j] = o[j] + g[j];
-        }
-    }
-    for (int64_t i0 = 0; i0 < n; i0 += TR) {
-        const int R = n - i0 < TR ? (int)(n - i0) : TR;
-        float *dC = c->du + (t0 + i0) * CD + di + NS;
-        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, u + di, CD, dC, CD);
-        MM(R, i0 + R, dGs + i0 * LDM, LDM, 1, u + di + HP, CD, dC + HP, CD);
-        for (int r = 0; r < R; r++)
-            for (int64_t h = 0; h < H; h++) {
-                const float *p = c->dCoff + ((t0 + i0 + r) * H + h) * NS;
-                for (int m = 0; m < NS; m++) dC[r * CD + m] = dC[r * CD + m] + p[m];
-            }
-    }
-    for (int64_t j0 = 0; j0 < n; j0 += TR) {
-        const int R = n - j0 < TR ? (int)(n - j0) : TR;
-        const float *C0 = u + j0 * CD + di + NS;
-        float *dB = c->du + (t0 + j0) * CD + di;
-        MM(R, n - j0, dGs + j0 * LDM + j0, 1, LDM, C0, CD, dB, CD);
-        MM(R, n - j0, dGs + j0 * LDM + j0, 1, LDM, C0 + HP, CD, dB + HP, CD);
-        if (folded)
-            for (int r = 0; r < R; r++)
-                for (int64_t h = 0; h < H; h++) {
-                    const float *p = c->dBst + ((t0 + j0 + r) * H + h) * NS;
-                    for (int m = 0; m < NS; m++) dB[r * CD + m] = dB[r * CD + m] + p[m];
-                }
     }
 }
 
@@ -275,8 +317,8 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
         M * dm,                                                  /* forward output, then dxn */
         M * di, M * di, M * di, M * di,                          /* g, gn / dg, dgn / dY, xr */
-        M * NP, M * CD, 2 * M * H,                               /* dzxd, du, ddA + dts */
-        M * H * CQ, 2 * M * H * NS,                              /* per-head pieces */
+        M * NP, M * CD, 4 * M * H,                               /* dzxd, du, ddA dts dcs sacc */
+        2 * B * H * nk * NS * HP + B * H * nk,                   /* dhn, dh, E */
         nth * bscr,                                              /* per-thread scratch */
         M * dm, M * dm,                                          /* xn, xr */
     };
@@ -300,9 +342,9 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
                             p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
     const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[6]};
     float *yf = p[7], *g = p[8], *gn = p[9], *dgn = p[10], *xr2 = p[11];
-    float *dzxd = p[12], *du = p[13], *ddA = p[14];
-    float *dts = ddA + M * H, *dGh = p[15], *dCoff = p[16], *dBst = dCoff + M * H * NS;
-    float *scr = p[17], *xn = p[18], *xr = p[19];
+    float *dzxd = p[12], *du = p[13], *ddA = p[14], *dts = ddA + M * H;
+    float *dhn = p[15], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
+    float *scr = p[16], *xn = p[17], *xr = p[18];
 
     int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, yf, &acts);
     if (rc != MB_OK) {
@@ -344,18 +386,23 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         mb_fpenv_exit(env);
     }
 
-    /* the SSD, per (row, head); then dB and dC per chunk */
-    const bctx c = {w, B, L, nk, di, H, CD, NP, &acts, dY, du, dzxd, ddA, dts, dGh, dCoff, dBst};
-    #pragma omp parallel if (B * H > 1)
+    /* the SSD: a pass over the chunks, the state gradient's chain per (row, head), a
+     * second pass over the chunks */
+    const bctx c = {w, B, L, nk, di, H, CD, NP, &acts, dY, du, dzxd, ddA, dts,
+                    ddA + 2 * M * H, ddA + 3 * M * H, dhn, dhs, E};
+    #pragma omp parallel if (B * nk > 1)
     {
         mb_fpenv env = mb_fpenv_enter();
         float *q = scr + mb_thread_num() * bscr;
         #pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < B * nk; task++)
+            chunk_a(&c, task / nk, task % nk, q);
+        #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * H; task++)
-            ssd_bwd(&c, task / H, task % H, q);
+            dh_chain(&c, task / H, task % H);
         #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * nk; task++)
-            bc_combine(&c, task / nk, task % nk, q);
+            chunk_c(&c, task / nk, task % nk, q);
         mb_fpenv_exit(env);
     }
 
