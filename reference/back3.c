@@ -19,6 +19,7 @@
 #include "scratch.h"
 
 #define MM MB_ISA_FN(mb_m3_mm)
+#define PF 4 /* rows the gate prefetches ahead */
 
 /* Per-thread chunk scratch past the forward's S_TOTAL, in floats. */
 enum {
@@ -43,12 +44,14 @@ enum {
 
 typedef struct {
     m3_ctx c;
-    int64_t L;
+    int64_t L, M;
     const float *dyg;   /* (M, di) gradient of the gated output */
     float *dzx;         /* (M, dip) gradient of in_proj's output */
-    float *dQ, *dK;     /* (M, H, NQK) gradients of the biased, unrotated q and k */
-    float *dTA;         /* (M, H, NA) gradient of tanh(angle) * PI, per head */
+    float *dQ, *dK;     /* (H, M, NQK) gradients of the biased, unrotated q and k */
+    float *dTA;         /* (H, M, NA) gradient of tanh(angle) * PI, per head */
     float *dQKG;        /* (M, H) gradient of qk_gamma (= of D, per token) */
+    const float *zin;   /* (H, 2, M) per head the A and dt columns of in_proj's output */
+    float *gz;          /* (H, 3, M) per head their gradients and the trap column's */
 } m3_bctx;
 
 /* Per-thread row arrays for one head, in floats. */
@@ -156,6 +159,13 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
         const float *z = c->zx + t * dip + h * PV, *dg = g->dyg + t * di + h * PV;
         const float *yp = c->ypre + t * di + h * PV;
         float *dz = g->dzx + t * dip + h * PV, *d = dy + i * PV;
+        if (i + PF < n) /* rows a stride apart: beyond the hardware prefetcher */
+            for (int l = 0; l < PV; l += 16) {
+                __builtin_prefetch(z + PF * dip + l);
+                __builtin_prefetch(dg + PF * di + l);
+                __builtin_prefetch(yp + PF * di + l);
+                __builtin_prefetch(dz + PF * dip + l, 1);
+            }
         for (int p = 0; p < PV; p++) {
             const float e1 = 1.0f + mb_exp(-z[p]), sg = 1.0f / e1;
             d[p] = dg[p] * (z[p] / e1);
@@ -238,6 +248,8 @@ static void chunk_bwd(const m3_bctx *g, const m3_rows *r, int64_t h, int64_t c0,
     for (int64_t j = 0; j < n; j++) {
         const float dq = Dh + r->qkg[c0 + j];
         float *dv = g->dzx + (tok + j) * dip + di + h * PV;
+        if (j + PF < n)
+            for (int l = 0; l < PV; l += 16) __builtin_prefetch(dv + PF * dip + l, 1);
         for (int p = 0; p < PV; p++) {
             float d = P1[j * PV + p] + dq * dy[j * PV + p];
             if (has_dh)
@@ -285,15 +297,14 @@ static void token_bwd(const m3_bctx *g, const m3_rows *rr, int64_t h, int64_t to
 {
     const m3_ctx *c = &g->c;
     const m3_rows r = *rr;
-    const int64_t H = c->H, m = tok0 + t;
-    const int64_t oDT = 2 * c->di + 2 * NQK, oA = oDT + H, oTR = oA + H;
+    const int64_t H = c->H, M = g->M, m = tok0 + t;
     const float *Cb = c->w->C_bias + h * NQK, *Bb = c->w->B_bias + h * NQK;
     const float *dq = r.dqr + t * NQK, *dk = r.dkr + t * NQK;
     const float *cs = r.rot + t * 2 * NA, *sn = cs + NA;
     /* unrotate, then qk_gamma = dot(q, k) * gamma on the biased, unrotated q, k */
     const float dt = r.dt[t], sig = r.sig[t], gam = dt * sig;
     const float dqkg = g->dQKG[m * H + h], dacc = dqkg * gam;
-    float *oq = g->dQ + (m * H + h) * NQK, *ok = g->dK + (m * H + h) * NQK;
+    float *oq = g->dQ + (h * M + m) * NQK, *ok = g->dK + (h * M + m) * NQK;
     for (int a = 0; a < NA; a++) {
         oq[2 * a] = dq[2 * a] * cs[a] + dq[2 * a + 1] * sn[a];
         oq[2 * a + 1] = dq[2 * a + 1] * cs[a] - dq[2 * a] * sn[a];
@@ -308,8 +319,8 @@ static void token_bwd(const m3_bctx *g, const m3_rows *rr, int64_t h, int64_t to
     }
     /* gamma_t = dt sig feeds scale_t and qk_gamma; beta_{t-1} = dt (1 - sig) */
     const float dgam = r.dsc[t] + dqkg * qk, da = r.dadt[t];
-    const float *zr = c->zx + m * c->dip;
-    const float x = zr[oA + h], Araw = m3_heavy_tail(x);
+    const float *zi = g->zin + h * 2 * M;
+    const float x = zi[m], Araw = m3_heavy_tail(x);
     const float A = Araw > -A_FLOOR ? -A_FLOOR : Araw;
     float ddt = dgam * sig, dsig = dgam * dt;
     if (t > 0) {
@@ -318,13 +329,13 @@ static void token_bwd(const m3_bctx *g, const m3_rows *rr, int64_t h, int64_t to
     }
     ddt = ddt + A * da;
     ddt = ddt + tad;
-    float *dta = g->dTA + (m * H + h) * NA;
+    float *dta = g->dTA + (h * M + m) * NA;
     for (int a = 0; a < NA; a++)
         dta[a] = th[a] * dt;
-    float *dz = g->dzx + m * c->dip;
-    const float u = zr[oDT + h] + c->w->dt_bias[h];
-    dz[oDT + h] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
-    dz[oTR + h] = (dsig * sig) * (1.0f - sig);
+    float *gz = g->gz + h * 3 * M;
+    const float u = zi[M + m] + c->w->dt_bias[h];
+    gz[m] = u <= 20.0f ? ddt * mb_sigmoid(u) : ddt;
+    gz[M + m] = (dsig * sig) * (1.0f - sig);
     /* A = -(x >= 0 ? 1 + x : 1 / (1 - x)), floored: no gradient where the floor binds */
     const float dA = da * dt;
     float dx = 0.0f;
@@ -332,7 +343,7 @@ static void token_bwd(const m3_bctx *g, const m3_rows *rr, int64_t h, int64_t to
         const float f = 1.0f / (1.0f - x);
         dx = x >= 0.0f ? -dA : -(dA * (f * f));
     }
-    dz[oA + h] = dx;
+    gz[2 * M + m] = dx;
 }
 
 /* Row b, head h: forward pass, reverse pass over the chunks, reverse pass over tokens. */
@@ -417,9 +428,10 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     int nth = mb_max_threads();
     const int64_t per = B_TOTAL + row_floats(L);
     /* xn, dxn (M dm), zx, dzx (M dip), Bn, Cn, dBn, dCn, Bxr, Cxr (M NQK), dt, sig, adt,
-     * dQKG (M H), ta (M NA), yg, ypre, dyg (M di), dQ, dK (M H NQK), dTA (M H NA) */
+     * dQKG (M H), ta (M NA), yg, ypre, dyg (M di), dQ, dK (H M NQK), dTA (H M NA), zin,
+     * gz (M H 2, M H 3) */
     const int64_t total = M * (2 * dm + 2 * dip + 6 * NQK + 4 * H + NA + 3 * di
-                               + 2 * H * NQK + H * NA);
+                               + 2 * H * NQK + H * NA + 5 * H);
     float *buf = mb_scratch_take((size_t)(total + nth * per));
     if (!buf)
         return MB_ENOMEM;
@@ -431,7 +443,8 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     float *Bxr = dCn + M * NQK, *Cxr = Bxr + M * NQK, *dt = Cxr + M * NQK, *sig = dt + M * H;
     float *adt = sig + M * H, *dQKG = adt + M * H, *ta = dQKG + M * H, *yg = ta + M * NA;
     float *ypre = yg + M * di, *dyg = ypre + M * di, *dQ = dyg + M * di;
-    float *dK = dQ + M * H * NQK, *dTA = dK + M * H * NQK;
+    float *dK = dQ + M * H * NQK, *dTA = dK + M * H * NQK, *zin = dTA + M * H * NA;
+    float *gz = zin + 2 * M * H;
 
     MB_ISA_FN(mb_m3_project)(w, M, x, xn, zx, Bn, Cn, dt, sig, adt, ta);
     /* dyg = dy . out_proj (dot v1 over dm) */
@@ -440,8 +453,16 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
         return MB_ENOMEM;
     }
 
+    /* the A and dt columns per head, for the heads' passes over the tokens */
+    const int64_t oA = oDT + H, oTR = oA + H;
+    #pragma omp parallel for schedule(static) if (M * H > (1 << 12))
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < H; h++) {
+            zin[h * 2 * M + m] = zx[m * dip + oA + h];
+            zin[h * 2 * M + M + m] = zx[m * dip + oDT + h];
+        }
     m3_bctx g = {{w, NULL, NULL, H, di, dip, 0, 0, zx, Bn, Cn, dt, sig, adt, ta, yg, ypre},
-                 L, dyg, dzx, dQ, dK, dTA, dQKG};
+                 L, M, dyg, dzx, dQ, dK, dTA, dQKG, zin, gz};
     #pragma omp parallel if (B * H > 1)
     {
         mb_fpenv env = mb_fpenv_enter();
@@ -465,8 +486,8 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
             for (int a = 0; a < NA; a++)
                 dta[a] = 0.0f;
             for (int64_t h = 0; h < H; h++) {
-                const float *q = dQ + (m * H + h) * NQK, *k = dK + (m * H + h) * NQK;
-                const float *an = dTA + (m * H + h) * NA;
+                const float *q = dQ + (h * M + m) * NQK, *k = dK + (h * M + m) * NQK;
+                const float *an = dTA + (h * M + m) * NA;
                 for (int i = 0; i < NQK; i++) {
                     dc[i] = dc[i] + q[i];
                     db[i] = db[i] + k[i];
@@ -476,10 +497,15 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
             }
             /* ta = tanh(angle) * PI */
             const float *an = zx + m * dip + oANG;
-            float *o = dzx + m * dip + oANG;
+            float *o = dzx + m * dip + oANG, *dz = dzx + m * dip;
             for (int a = 0; a < NA; a++) {
                 const float th = mb_tanh(an[a]);
                 o[a] = (dta[a] * MB_PI) * (1.0f - th * th);
+            }
+            for (int64_t h = 0; h < H; h++) {
+                dz[oDT + h] = gz[h * 3 * M + m];
+                dz[oTR + h] = gz[h * 3 * M + M + m];
+                dz[oA + h] = gz[h * 3 * M + 2 * M + m];
             }
         }
         mb_fpenv_exit(env);
@@ -506,8 +532,10 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
     MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xn, dm, 0, gr->norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dBn, NQK, Bxr, NQK, 0, gr->B_norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dCn, NQK, Cxr, NQK, 0, gr->C_norm_w, 1);
-    MB_ISA_FN(mb_colfold)(B, L, H * NQK, dK, H * NQK, NULL, 0, 0, gr->B_bias, 1);
-    MB_ISA_FN(mb_colfold)(B, L, H * NQK, dQ, H * NQK, NULL, 0, 0, gr->C_bias, 1);
+    for (int64_t h = 0; h < H; h++) {
+        MB_ISA_FN(mb_colfold)(B, L, NQK, dK + h * M * NQK, NQK, NULL, 0, 0, gr->B_bias + h * NQK, 1);
+        MB_ISA_FN(mb_colfold)(B, L, NQK, dQ + h * M * NQK, NQK, NULL, 0, 0, gr->C_bias + h * NQK, 1);
+    }
     MB_ISA_FN(mb_colfold)(B, L, H, dQKG, H, NULL, 0, 0, gr->D, 1);
     MB_ISA_FN(mb_colfold)(B, L, H, dzx + oDT, dip, NULL, 0, 0, gr->dt_bias, 1);
     mb_scratch_give(buf);
