@@ -49,7 +49,7 @@ typedef struct {
 
 /* Per-thread scratch of the SSD backward, in floats (the larger pass's). */
 #define SCR_A (2 * CQ * LDM + HP * LDM + 2 * CQ * LDC + 3 * CQ * HP + 2 * TR * CQ + 9 * CQ)
-#define SCR_C (2 * CQ * NS + 2 * NS * HP + 3 * CQ * HP + TR * NS + 8 * CQ)
+#define SCR_C (2 * CQ * NS + 2 * NS * HP + 3 * CQ * HP + TR * NS + 9 * CQ)
 #define BSCR (SCR_A > SCR_C ? SCR_A : SCR_C)
 
 /* The tile's rows i0 + r (r < R) of seg's gradient: dA[m] gets row i's prefix of dseg
@@ -227,8 +227,13 @@ static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
     const float *u = c->a->u + t0 * CD;
     float *Bd = scr, *dBd = Bd + CQ * NS, *hP = dBd + CQ * NS, *dhP = hP + NS * HP;
     float *Xd = dhP + NS * HP, *dyo = Xd + CQ * HP, *tmpv = dyo + CQ * HP, *pc = tmpv + CQ * HP;
-    float *dcs = pc + TR * NS, *tmp = dcs + CQ, *dec = tmp + CQ;
-    const chunk_vals v = vals_at(dec + CQ);
+    float *dcs = pc + TR * NS, *tmp = dcs + CQ, *dec = tmp + CQ, *F = dec + CQ;
+    const chunk_vals v = vals_at(F + CQ);
+    /* dh . h_prev of every head, their chains interleaved */
+    if (folded) {
+        const float *dh0 = c->dh + (b * H * nk + k) * NS * HP, *hp0 = c->a->hck + (b * H * nk + k) * NS * HP;
+        mb_dot_rows(H, NS * HP, dh0, nk * NS * HP, hp0, nk * NS * HP, F, 1);
+    }
     for (int64_t h = 0; h < H; h++) {
         const float A = -mb_exp(w->A_log[h]), Dh = w->D[h];
         const float *dY = c->dY + t0 * di + h * HP;
@@ -282,7 +287,7 @@ static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
                 dcs[j] = dcs[j] - tmp[j];
                 T = T + tmp[j];
             }
-            dcs[n - 1] = (dcs[n - 1] + T) + mb_dot(NS * HP, dh, 1, hprev, 1) * E;
+            dcs[n - 1] = (dcs[n - 1] + T) + F[h] * E;
         }
         /* dA: the cumsum's part (suffix sums of dcs) then seg's */
         float suf = 0.0f;

@@ -11,6 +11,7 @@
 #define TB 32   /* transpose tile */
 #define CBLK 64 /* columns per colfold task */
 #define RB 8    /* rows per rmsnorm-backward block */
+#define PF 4    /* rows prefetched ahead by the column passes */
 
 void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64_t lds,
                              float *dst, int64_t ldd)
@@ -134,6 +135,59 @@ int MB_ISA_FN(mb_linear_bwd)(int64_t M, int64_t N, int64_t K, const float *X, in
     return MB_OK;
 }
 
+/* Tokens [m0, m1) (one leaf) of a column block of the conv backward (nc <= CBLK
+ * columns at c0): dpre = du * silu'(pre) in place, and from +0 the chains of the
+ * bias (acc[4]) and of the taps k (acc[k]: dpre[t] * in[t - 3 + k], terms before the
+ * row skipped), in vectors across the columns. */
+static void conv_leaf(int64_t m0, int64_t m1, int64_t L, int64_t c0, int64_t nc, float *d,
+                      int64_t ldd, const float *pre, int64_t ldp, const float *in, int64_t ldi,
+                      float acc[5][CBLK])
+{
+    enum { NVC = CBLK / MB_VW };
+    const mb_vf one = mb_vset(1.0f);
+    mb_vf a[5][NVC];
+    MB_UNROLL
+    for (int o = 0; o < 5; o++)
+        MB_UNROLL
+        for (int v = 0; v < NVC; v++) a[o][v] = mb_vzero();
+    for (int64_t m = m0; m < m1; m++) {
+        const int64_t t = m % L;
+        float *dm = d + m * ldd + c0;
+        const float *pr = pre + m * ldp + c0;
+        if (m + PF < m1) /* rows a stride apart: beyond the hardware prefetcher */
+            for (int64_t c = 0; c < nc; c += 16) {
+                __builtin_prefetch(dm + PF * ldd + c, 1);
+                __builtin_prefetch(pr + PF * ldp + c);
+                __builtin_prefetch(in + (m + PF) * ldi + c0 + c);
+            }
+        MB_UNROLL
+        for (int v = 0; v < NVC; v++) {
+            const int n = nc - v * MB_VW < MB_VW ? (int)(nc - v * MB_VW) : MB_VW;
+            if (n <= 0)
+                continue;
+            /* silu'(z) = s (1 + z (1 - s)), s = 1 / (1 + exp(-z)), as mb_dsilu */
+            const mb_vf z = mb_vldn(pr + v * MB_VW, n);
+            const mb_vf s = mb_vdiv(one, mb_vadd(one, mb_vexp(mb_vneg(z))));
+            const mb_vf ds = mb_vmul(s, mb_vadd(one, mb_vmul(z, mb_vadd(one, mb_vneg(s)))));
+            const mb_vf dv = mb_vmul(mb_vldn(dm + v * MB_VW, n), ds);
+            mb_vstn(dm + v * MB_VW, dv, n);
+            a[4][v] = mb_vadd(a[4][v], dv);
+            MB_UNROLL
+            for (int k = 0; k < 4; k++)
+                if (t >= 3 - k)
+                    a[k][v] = mb_vfma(dv, mb_vldn(in + (m - 3 + k) * ldi + c0 + v * MB_VW, n), a[k][v]);
+        }
+    }
+    MB_UNROLL
+    for (int o = 0; o < 5; o++)
+        MB_UNROLL
+        for (int v = 0; v < NVC; v++) {
+            const int n = nc - v * MB_VW < MB_VW ? (int)(nc - v * MB_VW) : MB_VW;
+            if (n > 0)
+                mb_vstn(acc[o] + v * MB_VW, a[o][v], n);
+        }
+}
+
 void MB_ISA_FN(mb_conv_silu_bwd)(int64_t B, int64_t L, int64_t C, float *d, int64_t ldd,
                                  const float *pre, int64_t ldp, const float *in, int64_t ldi,
                                  const float *w, float *gw, float *gb, float *dx, int64_t ldx)
@@ -151,21 +205,7 @@ void MB_ISA_FN(mb_conv_silu_bwd)(int64_t B, int64_t L, int64_t C, float *d, int6
             for (int64_t c = 0; c < nc; c++) tree[o][c].top = 0;
         for (int64_t p = 0; p < (P ? P : 1); p++) {
             const int64_t k1 = (p + 1) * MB_DOT_LEAF < M ? (p + 1) * MB_DOT_LEAF : M;
-            for (int o = 0; o < 5; o++)
-                for (int64_t c = 0; c < nc; c++) acc[o][c] = 0.0f;
-            for (int64_t m = p * MB_DOT_LEAF; m < k1; m++) {
-                const int64_t t = m % L;
-                float *dm = d + m * ldd + c0;
-                const float *pr = pre + m * ldp + c0;
-                for (int64_t c = 0; c < nc; c++) dm[c] = dm[c] * mb_dsilu(pr[c]);
-                for (int64_t c = 0; c < nc; c++) acc[4][c] = acc[4][c] + dm[c];
-                for (int k = 0; k < 4; k++) {
-                    if (t < 3 - k)
-                        continue;
-                    const float *ir = in + (m - (3 - k)) * ldi + c0;
-                    for (int64_t c = 0; c < nc; c++) acc[k][c] = fmaf(dm[c], ir[c], acc[k][c]);
-                }
-            }
+            conv_leaf(p * MB_DOT_LEAF, k1, L, c0, nc, d, ldd, pre, ldp, in, ldi, acc);
             for (int o = 0; o < 5; o++)
                 for (int64_t c = 0; c < nc; c++) mb_dot_tree_push(&tree[o][c], acc[o][c]);
         }
