@@ -177,11 +177,8 @@ class _Mem:
         self.ptr = int(be._ck(be.cu.cuMemAlloc(max(nbytes, 4)), "cuMemAlloc"))
 
     def __del__(self):
-        try:
-            self.be._enter()
-            self.be.cu.cuMemFree(self.ptr)
-        except Exception:  # interpreter shutdown: the driver may already be gone
-            pass
+        be, ptr = self.be, self.ptr
+        be.release(lambda: (be._enter(), be.cu.cuMemFree(ptr)))
 
 
 class _PoolMem:
@@ -195,10 +192,8 @@ class _PoolMem:
                               "cuMemAllocFromPoolAsync"))
 
     def __del__(self):
-        try:
-            self.be.cu.cuMemFreeAsync(self.ptr, self.s.cu)
-        except Exception:
-            pass
+        be, ptr, s = self.be, self.ptr, self.s
+        be.release(lambda: be.cu.cuMemFreeAsync(ptr, s.cu))
 
 
 class _Scratch:
@@ -305,6 +300,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                                           cu.cuuint64_t(POOL_KEEP)), "cuMemPoolSetAttribute")
         self._offsets = {}
         self._capture = None
+        self._capturing, self._released = 0, []
         self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
 
     # ------------------------------------------------------------ driver plumbing
@@ -663,6 +659,31 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._capture = self._ck(self.cu.cuStreamCreate(
                 int(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
         return self._capture
+
+    def release(self, free):
+        """Run free() (a cuMemFree and the like) now, or after the graph capture in
+        progress: a synchronous driver call during a capture invalidates it, and the
+        garbage collector may drop an array at any point of a capture's body."""
+        if self._capturing:
+            self._released.append(free)
+            return
+        try:
+            free()
+        except Exception:  # interpreter shutdown: the driver may already be gone
+            pass
+
+    @contextlib.contextmanager
+    def capturing(self):
+        """The span of a graph capture, with the frees it held back run at its end."""
+        self._capturing += 1
+        try:
+            yield self._capture_stream()
+        finally:
+            self._capturing -= 1
+            if not self._capturing:
+                held, self._released = self._released, []
+                for free in held:
+                    self.release(free)
 
     # ------------------------------------------------------------ test hooks
     def _gemm(self, X, W, M, N, K, fast=False):

@@ -76,17 +76,18 @@ class _GraphSession:
         be, cu = self.be, self.be.cu
         s = be.stream()
         be._sync(s)  # the session's buffers are set
-        cs = be._capture_stream()
-        be._ck(cu.cuStreamBeginCapture(cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-               "cuStreamBeginCapture")
-        try:
-            be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, self.x.size, self.x,
-                       self.guard.ptr, self.dev_seen)
-            body(cs)
-        except BaseException:
-            cu.cuStreamEndCapture(cs)  # the body's error is the one to report
-            raise
-        graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")
+        with be.capturing() as cs:
+            be._ck(cu.cuStreamBeginCapture(
+                cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture")
+            try:
+                be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, self.x.size, self.x,
+                           self.guard.ptr, self.dev_seen)
+                body(cs)
+            except BaseException:
+                cu.cuStreamEndCapture(cs)  # the body's error is the one to report
+                raise
+            graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")
         self._graphs.append([graph, None])
         exe = self._graphs[-1][1] = be._ck(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         be._ck(cu.cuGraphUpload(exe, s.cu), "cuGraphUpload")
@@ -167,15 +168,15 @@ class _GraphSession:
         """Work to issue before sync_state or load_state reads or replaces the state."""
 
     def __del__(self):
-        cu = self.be.cu
-        try:
-            for graph, exe in self._graphs:
+        cu, graphs, host = self.be.cu, self._graphs, self.host
+
+        def free():
+            for graph, exe in graphs:
                 if exe is not None:
                     cu.cuGraphExecDestroy(exe)
                 cu.cuGraphDestroy(graph)
-            cu.cuMemFreeHost(self.host)
-        except Exception:
-            pass
+            cu.cuMemFreeHost(host)
+        self.be.release(free)
 
 
 class M1Session(_GraphSession):

@@ -18,9 +18,9 @@ from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
+from device_lanes import (REPORTS, SSD_SESSIONS, assert_same, frees_during_capture, host,
+                          poisoned, ssd_session_graph, state_of)
 
-REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
-           "mamba3": ("h_last_", "k_last_", "v_last_", "theta_last_")}
 FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
 
 
@@ -39,35 +39,6 @@ def be():
         del _backends._cache["cuda"]
     else:
         _backends._cache["cuda"] = saved
-
-
-def host(a):
-    """The bytes of a host or device Array."""
-    if a.device == "cpu":
-        return raw(a)
-    h = _core.empty(a.shape)
-    _backends.owner_of(a).copy_into(h, a)
-    return raw(h)
-
-
-def state_of(st):
-    return [(f"state.{n}", host(p)) for n, p in zip(st._PIECES, st.pieces())] + [
-        (f"state.{n}", repr(getattr(st, n)).encode()) for n in st._SCALARS]
-
-
-def assert_same(got, want, what):
-    """got, want: lists of (label, bytes); a failure names the first differing value."""
-    assert [k for k, _ in got] == [k for k, _ in want], what
-    for (k, g), (_, w) in zip(got, want):
-        if g == w:
-            continue
-        if len(g) != len(w) or len(g) % 4:
-            pytest.fail(f"{what}: {k}: emulated kernels {g[:40]!r}, C reference {w[:40]!r}")
-        i = next(j for j in range(0, len(w), 4) if g[j:j + 4] != w[j:j + 4])
-        gv, wv = memoryview(g[i:i + 4]).cast("f")[0], memoryview(w[i:i + 4]).cast("f")[0]
-        pytest.fail(f"{what}: {k} differs at flat index {i // 4}: emulated kernels {gv!r} "
-                    f"(0x{g[i:i + 4][::-1].hex()}), C reference {wv!r} "
-                    f"(0x{w[i:i + 4][::-1].hex()})")
 
 
 # ------------------------------------------------------------------ identity lanes
@@ -206,54 +177,14 @@ def test_device_state_and_session(be, name):
     assert_same(got + state_of(st_d), want + state_of(st_c), f"{name} on device")
 
 
-def _poisoned(x, i):
-    """A copy of x with a NaN at flat index i."""
-    bad = mamba.asarray(memoryview(bytearray(raw(x))).cast("f"), memoryview(x).shape)
-    memoryview(bad).cast("B").cast("f")[i] = math.nan
-    return bad
-
-
-@pytest.mark.parametrize("name,B", [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)])
+@pytest.mark.parametrize("name,B", SSD_SESSIONS)
 def test_ssd_session_graph(be, name, B):
-    """Mamba-2 and Mamba-3 sessions as one graph per step (ssd_step.cu): steps across
-    the chunk grid on device and host inputs, the reports after every step, a step
-    refused on the device in the middle (NaN outputs, state kept, raised by the next
-    call, then on as before), sync_state, and load_state of an edited state (a
-    different count of buffered tokens): all the C reference's bits."""
-    P, T = BLOCKS[name]["decode"]
-    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
-    D = cpu.d_model
-    x = rand((B, T + 1, D), 40 + B)
-    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
-    cpu.forward(time_slice(x, 0, P), st_c)
-    gpu.forward(time_slice(x, 0, P), st_g)
-    bad_at, load_at = P + 3, T - 4
-    got, want = [], []
-    with gpu.decode_session(st_g) as sess:
-        for t in range(P, T):
-            xt = time_slice(x, t, t + 1)
-            if t == bad_at:
-                y_bad = sess.step(be.copy(_poisoned(xt, B * D - 2)))
-                assert all(math.isnan(v) for v in memoryview(host(y_bad)).cast("f"))
-                with pytest.raises(ValueError, match=f"x of step {t - P + 1} of this session "
-                                                     f"held a non-finite value .* index {B * D - 2};"):
-                    sess.step(xt)
-            if t == load_at:  # the caller's state one token further on, loaded
-                sess.sync_state()
-                assert_same(state_of(st_g), state_of(st_c), f"{name} synced before token {t}")
-                xo = time_slice(x, T, T + 1)
-                cpu.step(xo, st_c)
-                for n, p in zip(st_c._PIECES, st_c.pieces()):
-                    memoryview(getattr(st_g, n)).cast("B")[:] = memoryview(p).cast("B")
-                for n in st_c._SCALARS:
-                    setattr(st_g, n, getattr(st_c, n))
-                sess.load_state()
-            y = sess.step(be.copy(xt) if t % 2 else xt)
-            got.append((f"step {t}", host(y)))
-            want.append((f"step {t}", raw(cpu.step(xt, st_c))))
-            got += [(f"{r} {t}", host(getattr(gpu, r))) for r in REPORTS[name]]
-            want += [(f"{r} {t}", raw(getattr(cpu, r))) for r in REPORTS[name]]
-    assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} session B {B}")
+    ssd_session_graph(be, name, B)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_frees_during_capture(be, name, monkeypatch):
+    frees_during_capture(be, name, monkeypatch)
 
 
 def test_m3_session_input_states(be):
@@ -268,7 +199,7 @@ def test_m3_session_input_states(be):
     st_g.set_input_states(*given)
     got, want = [], []
     with gpu.decode_session(st_g) as sess:
-        bad = _poisoned(time_slice(x, 30, 31), 3)
+        bad = poisoned(time_slice(x, 30, 31), 3)
         with pytest.raises(ValueError, match="DecodeSession.step: x holds a non-finite value "
                                              r"\(NaN or inf\) at flat index 3$"):
             sess.step(be.copy(bad))

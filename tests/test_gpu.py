@@ -15,8 +15,9 @@ import pytest
 
 import mamba
 from mamba import _backends, _core
-from _util import rand, raw, state_bytes, copy_state, time_slice
+from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
+from device_lanes import SSD_SESSIONS, frees_during_capture, ssd_session_graph
 
 D = 32  # d_model of the small device checks
 
@@ -182,46 +183,15 @@ def test_ssd_device_in_device_out(be, torch, name, P, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,B", [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)])
-def test_ssd_session_graph(be, torch, name, B):
-    """Mamba-2/3 sessions, one graph per step: device inputs across the chunk grid,
-    the reports after every step, a step refused on the device (NaN outputs, the
-    state kept, raised by sync_state), then on; load_state of the state one token
-    further on; the C reference's bits."""
-    if not _backends.supports(be, _backends._op_for(f"Mamba{name[-1]}Block")):
-        pytest.skip(f"{name} is not enabled on the CUDA backend (MAMBA_CUDA_SSD=1 enables it)")
-    P, T = BLOCKS[name]["decode"]
-    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
-    dm = cpu.d_model
-    x = rand((B, T + 1, dm), 40 + B)
-    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
-    cpu.forward(time_slice(x, 0, P), st_c)
-    gpu.forward(time_slice(x, 0, P), st_g)
-    reports = ("h_last_",) if name == "mamba2" else ("h_last_", "k_last_", "v_last_", "theta_last_")
-    with gpu.decode_session(st_g) as sess:
-        for t in range(P, T):
-            xt = time_slice(x, t, t + 1)
-            if t == P + 3:
-                bad = dev(torch, xt)
-                bad.view(-1)[B * dm - 2] = float("nan")
-                y_bad = sess.step(bad)
-                with pytest.raises(ValueError, match=f"x of step {t - P + 1} of this session "
-                                                     f"held a non-finite value .* {B * dm - 2};"):
-                    sess.sync_state()
-                assert all(math.isnan(v) for v in torch.from_dlpack(y_bad).view(-1).tolist())
-                assert state_bytes(st_g) == state_bytes(st_c), "a refused step keeps the state"
-            if t == T - 4:
-                cpu.step(time_slice(x, T, T + 1), st_c)
-                for n, p in zip(st_c._PIECES, st_c.pieces()):
-                    memoryview(getattr(st_g, n)).cast("B")[:] = memoryview(p).cast("B")
-                for n in st_c._SCALARS:
-                    setattr(st_g, n, getattr(st_c, n))
-                sess.load_state()
-            yt = sess.step(dev(torch, xt))
-            assert host_bytes(yt) == raw(cpu.step(xt, st_c)), f"token {t}"
-            for r in reports:
-                assert host_bytes(getattr(gpu, r)) == raw(getattr(cpu, r)), f"{r} after {t}"
-    assert state_bytes(st_g) == state_bytes(st_c)
+@pytest.mark.parametrize("name,B", SSD_SESSIONS)
+def test_ssd_session_graph(be, name, B):
+    ssd_session_graph(be, name, B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_frees_during_capture(be, name, monkeypatch):
+    frees_during_capture(be, name, monkeypatch)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_LAUNCH_FAILED = 719
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
 
 
 OK = (CUresult.CUDA_SUCCESS,)
@@ -53,6 +55,7 @@ class Driver:
             ctypes.c_size_t]
         self.mem = {}        # address -> the buffer behind it
         self.capture = {}    # stream -> the work recorded on it since cuStreamBeginCapture
+        self.invalidated = False  # an unsafe call came during the captures in progress
         self.launched = set()
         self.error = b""
         self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
@@ -62,12 +65,25 @@ class Driver:
         return types.SimpleNamespace(location=types.SimpleNamespace())
 
     def _issue(self, stream, work):
-        """Run work now, or record it when its stream is capturing a graph."""
+        """Run work now, or record it when its stream is capturing a graph. Work on
+        the legacy stream during a capture is unsafe (it synchronizes with others)."""
         rec = self.capture.get(int(stream))
         if rec is None:
+            if int(stream) == self.CU_STREAM_LEGACY:
+                return self._unsafe(work)
             return work()
+        if self.invalidated:
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,)
         rec.append(work)
         return OK
+
+    def _unsafe(self, work):
+        """A call the driver refuses during a (thread-local) capture, invalidating it:
+        synchronous allocation, freeing, copies and waits, as on a GPU."""
+        if not self.capture:
+            return work()
+        self.invalidated = True
+        return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
 
     # ------------------------------------------------------------ device, module
     def cuInit(self, flags):
@@ -119,22 +135,24 @@ class Driver:
         return OK
 
     def cuMemAlloc(self, n):
-        return self._alloc(n)
+        return self._unsafe(lambda: self._alloc(n))
 
     def cuMemAllocFromPoolAsync(self, n, pool, stream):
+        if int(stream) == self.CU_STREAM_LEGACY:
+            return self._unsafe(lambda: self._alloc(n))
         return self._alloc(n)
 
     def cuMemHostAlloc(self, n, flags):
-        return self._alloc(n)
+        return self._unsafe(lambda: self._alloc(n))
 
     def cuMemHostGetDevicePointer(self, p, flags):
         return OK + (p,)
 
     def cuMemFree(self, p):
-        return self._free(p)
+        return self._unsafe(lambda: self._free(p))
 
     def cuMemFreeHost(self, p):
-        return self._free(p)
+        return self._unsafe(lambda: self._free(p))
 
     def cuMemFreeAsync(self, p, stream):
         return self._issue(stream, lambda: self._free(p))
@@ -152,7 +170,7 @@ class Driver:
         return work() if stream is None else self._issue(stream, work)
 
     def cuMemcpyHtoD(self, dst, src, n):
-        return self._copy(dst, src, n)
+        return self._unsafe(lambda: self._copy(dst, src, n))
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         return self._copy(dst, src, n, stream)
@@ -180,7 +198,7 @@ class Driver:
         return OK + (next(self._streams),)
 
     def cuStreamSynchronize(self, stream):
-        return OK
+        return self._unsafe(lambda: OK)
 
     def cuEventCreate(self, flags):
         return OK + (0,)
@@ -199,7 +217,11 @@ class Driver:
         return OK
 
     def cuStreamEndCapture(self, stream):
-        return OK + (self.capture.pop(int(stream)),)
+        graph = self.capture.pop(int(stream))
+        if self.invalidated:
+            self.invalidated = bool(self.capture)
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+        return OK + (graph,)
 
     def cuGraphInstantiate(self, graph, flags):
         return OK + (tuple(graph),)

@@ -1,0 +1,126 @@
+"""Scenarios every CUDA-driven backend must pass with the C reference's bits, written
+once and collected twice: by test_gpu.py on a real GPU and by
+test_emulated_kernels.py on the host emulation of the kernels. `be` is the backend
+registered as "cuda" while they run. Numpy-free."""
+import math
+
+import pytest
+
+import mamba
+from mamba import _backends, _core
+from _util import rand, raw, time_slice
+from blocks import BLOCKS, make
+
+REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
+           "mamba3": ("h_last_", "k_last_", "v_last_", "theta_last_")}
+
+
+def host(a):
+    """The bytes of a host or device Array."""
+    if a.device == "cpu":
+        return raw(a)
+    h = _core.empty(a.shape)
+    _backends.owner_of(a).copy_into(h, a)
+    return raw(h)
+
+
+def state_of(st):
+    return [(f"state.{n}", host(p)) for n, p in zip(st._PIECES, st.pieces())] + [
+        (f"state.{n}", repr(getattr(st, n)).encode()) for n in st._SCALARS]
+
+
+def reports_of(blk, name, label):
+    return [(f"{r} {label}", host(getattr(blk, r))) for r in REPORTS[name]]
+
+
+def assert_same(got, want, what):
+    """got, want: lists of (label, bytes); a failure names the first differing value."""
+    assert [k for k, _ in got] == [k for k, _ in want], what
+    for (k, g), (_, w) in zip(got, want):
+        if g == w:
+            continue
+        if len(g) != len(w) or len(g) % 4:
+            pytest.fail(f"{what}: {k}: this backend {g[:40]!r}, C reference {w[:40]!r}")
+        i = next(j for j in range(0, len(w), 4) if g[j:j + 4] != w[j:j + 4])
+        gv, wv = memoryview(g[i:i + 4]).cast("f")[0], memoryview(w[i:i + 4]).cast("f")[0]
+        pytest.fail(f"{what}: {k} differs at flat index {i // 4}: this backend {gv!r} "
+                    f"(0x{g[i:i + 4][::-1].hex()}), C reference {wv!r} "
+                    f"(0x{w[i:i + 4][::-1].hex()})")
+
+
+def poisoned(x, i):
+    """A copy of x with a NaN at flat index i."""
+    bad = mamba.asarray(memoryview(bytearray(raw(x))).cast("f"), memoryview(x).shape)
+    memoryview(bad).cast("B").cast("f")[i] = math.nan
+    return bad
+
+
+SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]
+
+
+def ssd_session_graph(be, name, B):
+    """Mamba-2 and Mamba-3 sessions as one graph per step (ssd_step.cu): steps across
+    the chunk grid on device and host inputs, the reports after every step, a step
+    refused on the device in the middle (NaN outputs, state kept, raised by the next
+    call, then on as before), sync_state, and load_state of an edited state (a
+    different count of buffered tokens): all the C reference's bits."""
+    P, T = BLOCKS[name]["decode"]
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    D = cpu.d_model
+    x = rand((B, T + 1, D), 40 + B)
+    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
+    cpu.forward(time_slice(x, 0, P), st_c)
+    gpu.forward(time_slice(x, 0, P), st_g)
+    bad_at, load_at = P + 3, T - 4
+    got, want = [], []
+    with gpu.decode_session(st_g) as sess:
+        for t in range(P, T):
+            xt = time_slice(x, t, t + 1)
+            if t == bad_at:
+                y_bad = sess.step(be.copy(poisoned(xt, B * D - 2)))
+                assert all(math.isnan(v) for v in memoryview(host(y_bad)).cast("f"))
+                with pytest.raises(ValueError, match=f"x of step {t - P + 1} of this session "
+                                                     f"held a non-finite value .* index {B * D - 2};"):
+                    sess.step(xt)
+            if t == load_at:  # the caller's state one token further on, loaded
+                sess.sync_state()
+                assert_same(state_of(st_g), state_of(st_c), f"{name} synced before token {t}")
+                xo = time_slice(x, T, T + 1)
+                cpu.step(xo, st_c)
+                for n, p in zip(st_c._PIECES, st_c.pieces()):
+                    memoryview(getattr(st_g, n)).cast("B")[:] = memoryview(p).cast("B")
+                for n in st_c._SCALARS:
+                    setattr(st_g, n, getattr(st_c, n))
+                sess.load_state()
+            y = sess.step(be.copy(xt) if t % 2 else xt)
+            got += [(f"step {t}", host(y))] + reports_of(gpu, name, t)
+            want += [(f"step {t}", raw(cpu.step(xt, st_c)))] + reports_of(cpu, name, t)
+    assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} session B {B}")
+
+
+def frees_during_capture(be, name, monkeypatch):
+    """Device arrays dropped while a session's step is being captured (the garbage
+    collector may drop one at any point) are freed after the capture, not inside it,
+    where a synchronous free would invalidate the graph: the session still gives
+    the C reference's bits, and the memory is freed."""
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    x = rand((2, 4, cpu.d_model), 12)
+    doomed = [be.copy(x), be.new((3,)), gpu.forward(be.copy(x)), be.copy(x)]
+    dropped = []
+    launch = type(be)._launch
+
+    def dropping(self, s, *args, **kw):
+        if s == self._capture and doomed:  # a launch into the capture stream
+            dropped.append(doomed.pop().shape)  # its last reference: freed here
+        return launch(self, s, *args, **kw)
+    monkeypatch.setattr(type(be), "_launch", dropping)
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    got, want = [], []
+    with gpu.decode_session(st_g) as sess:
+        for t in range(4):
+            xt = time_slice(x, t, t + 1)
+            got += [(f"step {t}", host(sess.step(be.copy(xt))))] + reports_of(gpu, name, t)
+            want += [(f"step {t}", raw(cpu.step(xt, st_c)))] + reports_of(cpu, name, t)
+    assert len(dropped) == 4, "every array was dropped during a capture"
+    assert not be._released, "frees held back during a capture were run after it"
+    assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} frees in capture")
