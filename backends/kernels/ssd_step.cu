@@ -11,6 +11,31 @@
 #include "ssd3.cu"
 
 #define STEP_Q2 256 /* Mamba-2's chunk (ssd2.cu M2Q) */
+#define STEP_TILE 64 /* rows of the products staged at a time */
+
+/* dot v1 of a (shared) and b (global, 16-byte aligned; each b[m] times sc when
+ * SCALED) over SSD_NS: the serial chain, its operands loaded eight float4 at a
+ * time so that the loads overlap */
+template <bool SCALED>
+MB_DEV float step_dot(const float *a, const float *b, float sc)
+{
+    const float4 *b4 = (const float4 *)b;
+    float g = 0.0f;
+    for (int m0 = 0; m0 < SSD_NS / 4; m0 += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = b4[m0 + k];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float *am = a + 4 * (m0 + k);
+            g = fmaf(am[0], SCALED ? v[k].x * sc : v[k].x, g);
+            g = fmaf(am[1], SCALED ? v[k].y * sc : v[k].y, g);
+            g = fmaf(am[2], SCALED ? v[k].z * sc : v[k].z, g);
+            g = fmaf(am[3], SCALED ? v[k].w * sc : v[k].w, g);
+        }
+    }
+    return g;
+}
 
 MB_DEV void step_desc(int64_t *d, int64_t b, int64_t e0, int64_t n, int64_t r0, int64_t fold)
 {
@@ -88,14 +113,16 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
                const float *E, const float *S, float *h, float *seg, float *yb)
 {
-    __shared__ float Mt[STEP_Q2], Ct[SSD_NS];
+    __shared__ float Mt[STEP_Q2], Ct[SSD_NS], Yo[SSD_HP];
+    __shared__ float Xt[STEP_TILE][SSD_HP];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
     const int64_t e0 = d[1], n = d[2], t = d[3];
     if (t >= n) return; /* refused: no row, the columns kept */
     const int tid = threadIdx.x;
-    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
+    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2, *dtc = dt + bh * STEP_Q2;
     for (int m = tid; m < SSD_NS; m += STEP_Q2) Ct[m] = u[t * CD + di + SSD_NS + m];
     __syncthreads();
+    float *hs = h + bh * SSD_HP * SSD_NS;
     if (tid <= t) {
         float s = 0.0f;
         if (ctl[1]) {
@@ -104,22 +131,29 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
             s = seg[bh * STEP_Q2 + tid] + dAc[t];
         }
         seg[bh * STEP_Q2 + tid] = s;
-        const float *Bj = u + tid * CD + di;
-        float g = 0.0f;
-#pragma unroll 8
-        for (int m = 0; m < SSD_NS; m++) g = fmaf(Ct[m], Bj[m], g);
-        Mt[tid] = g * mb_exp(s);
+        Mt[tid] = step_dot<false>(Ct, u + tid * CD + di, 1.0f) * mb_exp(s);
+    } else if (tid >= STEP_Q2 - SSD_HP) { /* idle rows: C . h of one column each */
+        const int p = tid - (STEP_Q2 - SSD_HP);
+        Yo[p] = step_dot<false>(Ct, hs + p * SSD_NS, 1.0f);
     }
-    __syncthreads();
-    float *hs = h + bh * SSD_HP * SSD_NS;
+    /* Y_diag's chains over the rows j <= t, the products u * dt staged a tile of rows
+     * at a time by every thread */
+    const int64_t c0 = hh * SSD_HP;
+    float yd = 0.0f;
+    for (int64_t j0 = 0; j0 <= t; j0 += STEP_TILE) {
+        const int64_t nj = t + 1 - j0 < STEP_TILE ? t + 1 - j0 : STEP_TILE;
+        __syncthreads();
+        for (int e = tid; e < nj * SSD_HP; e += STEP_Q2) {
+            const int64_t j = j0 + e / SSD_HP, c = e % SSD_HP;
+            Xt[e / SSD_HP][c] = u[j * CD + c0 + c] * dtc[j];
+        }
+        __syncthreads();
+        if (tid < SSD_HP)
+            for (int64_t r = 0; r < nj; r++) yd = fmaf(Mt[j0 + r], Xt[r][tid], yd);
+    }
     if (tid < SSD_HP) {
-        const int64_t c = hh * SSD_HP + tid;
-        const float *dtc = dt + bh * STEP_Q2, *hp = hs + tid * SSD_NS;
-        float yd = 0.0f;
-        for (int64_t j = 0; j <= t; j++) yd = fmaf(Mt[j], u[j * CD + c] * dtc[j], yd);
-        float yo = 0.0f;
-#pragma unroll 8
-        for (int m = 0; m < SSD_NS; m++) yo = fmaf(Ct[m], hp[m], yo);
+        const float yo = t < STEP_Q2 - SSD_HP ? Yo[tid] : step_dot<false>(Ct, hs + tid * SSD_NS, 1.0f);
+        const int64_t c = c0 + tid;
         yb[b * di + c] = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
     }
     if (!d[5]) return;
@@ -257,7 +291,7 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
                const float *ADT, const float *qg, const float *D, const float *zx,
                const float *E, const float *S, float *h, float *seg, float *yg)
 {
-    __shared__ float Mt[M3Q + 1], qs[SSD_NS];
+    __shared__ float Mt[M3Q + 1], qs[SSD_NS], Vt[M3Q][SSD_HP];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = ydesc + b * MB_DESC;
     const int64_t e0 = d[1], n = d[2], w = d[3];
     if (w >= n) return; /* refused: no row, the columns kept */
@@ -279,11 +313,7 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
             s = sg[tid] + adt[w * H];
         sg[tid] = s;
         const float sc = m3_scale(DT, SIG, H, (e0 + tid) * H + hh, true);
-        const float *kj = K + ((e0 + tid) * H + hh) * SSD_NS;
-        float g = 0.0f;
-#pragma unroll 8
-        for (int m = 0; m < SSD_NS; m++) g = fmaf(qs[m], kj[m] * sc, g);
-        Mt[tid] = g * mb_exp(s);
+        Mt[tid] = step_dot<true>(qs, K + ((e0 + tid) * H + hh) * SSD_NS, sc) * mb_exp(s);
     } else if (tid == w) {
         float c = 0.0f;
         if (whole || w == 0)
@@ -293,14 +323,14 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
         sg[M3Q] = c;
         Mt[M3Q] = mb_exp(c);
     }
-    __syncthreads();
     const int p = tid;
-    const float *hp = hs + p * SSD_NS, *v = V + (e0 * H + hh) * SSD_HP + p; /* row u at v[u * H * HP] */
-    float ys = 0.0f;
+    const float *v = V + (e0 * H + hh) * SSD_HP + p; /* row u at v[u * H * HP] */
 #pragma unroll 8
-    for (int m = 0; m < SSD_NS; m++) ys = fmaf(qs[m], hp[m], ys);
+    for (int64_t u = 0; u < w; u++) Vt[u][p] = v[u * H * SSD_HP];
+    __syncthreads();
+    const float ys = step_dot<false>(qs, hs + p * SSD_NS, 1.0f);
     float yi = 0.0f;
-    for (int64_t u = 0; u < w; u++) yi = fmaf(Mt[u], v[u * H * SSD_HP], yi);
+    for (int64_t u = 0; u < w; u++) yi = fmaf(Mt[u], Vt[u][p], yi);
     float y = ys * Mt[M3Q] + yi;
     y = y + (D[hh] + qg[bh]) * v[w * H * SSD_HP];
     yg[b * di + hh * SSD_HP + p] = y * mb_silu(zx[b * dip + hh * SSD_HP + p]);
@@ -308,3 +338,4 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
 
 #undef STEP_Y3
 #undef STEP_Q2
+#undef STEP_TILE
