@@ -8,7 +8,7 @@ before the gate and the state entering every chunk. The SSD backward is
 backends/kernels/back2.cu; the norms, projections, conv and folds are the shared
 pieces of _cuda_grad.py.
 """
-from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, Y_THREADS
+from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
 COL_THREADS = 256  # back2.cu COL_THREADS
@@ -61,8 +61,7 @@ class Back2Mixin:
                 self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), T, NC, I["desc"], H, DTR,
                              dt_bias, A_log, lo, hi, dt, dA, cs)
                 G = f(NC * Q * Q)
-                self._launch(s, "mb_m2_g_k", (self._grid(NC * Q * Q),), T, NC, I["desc"], di, CD,
-                             U, G)
+                self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
                 Ec, hck = f(NC * H), f(NC * H * per)
                 with scope() as t:
                     S, h0 = t(NC * H * per), t(B * H * per)
@@ -74,7 +73,7 @@ class Back2Mixin:
                 Y = dY = f(M * di)  # Y before the gate, then its gradient in place
                 with scope() as t:  # the gated norm, out_proj and the gate
                     g, dgn = t(M * di), t(M * di)
-                    self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G,
+                    self._launch(s, "mb_m2_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G,
                                  dt, dA, cs, hck, D, Y)
                     self._ck(self.cu.cuMemcpyDtoDAsync(g, Y, 4 * M * di, s), "cuMemcpyDtoDAsync")
                     self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), T, M, di, zx, NP, g)

@@ -12,7 +12,7 @@ own sequence of float operations, so no launch shape changes a bit. Scratch live
 nested scopes freed in stream order as soon as its last reader is queued, and the
 chunk states' fold buffer is reused for the gated output, Sd and dh.
 """
-from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, Y_THREADS, _Plan, m3_dims
+from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, TILE_THREADS, _Plan, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
@@ -98,7 +98,7 @@ class Back3Mixin:
                     # leaving each chunk: mb_ssd_dchain_k reads each element of Sd before
                     # it writes the same element of dh
                     yg, Sd, dhL = S, S, S
-                    self._launch(s, "mb_m3_y_k", (H, NC), Y_THREADS, I["desc"], H, di, NP, Q,
+                    self._launch(s, "mb_m3_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, NP, Q,
                                  K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
 
                     # out_proj: its weight's gradient, and dyg = dy . out_proj

@@ -21,7 +21,8 @@ from . import _core
 M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
-Y_THREADS = 256   # mb_m2_y_k and mb_m3_y_k
+TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
+G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
@@ -176,8 +177,7 @@ class SsdMixin:
             self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), C.THREADS, NC, I["desc"], H,
                          DTR, dt_bias, A_log, _bits(dt_limit[0]), _bits(dt_limit[1]), dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
-            self._launch(s, "mb_m2_g_k", (self._grid(NC * M2_Q * M2_Q),), C.THREADS,
-                         NC, I["desc"], di, CD, U, G)
+            self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
             self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
@@ -185,7 +185,7 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)
-            self._launch(s, "mb_m2_y_k", (H, NC), Y_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+            self._launch(s, "mb_m2_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
@@ -313,7 +313,7 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)
-            self._launch(s, "mb_m3_y_k", (H, NC), Y_THREADS, I["desc"], H, di, NP, Q, K, V, DT,
+            self._launch(s, "mb_m3_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, NP, Q, K, V, DT,
                          SIG, ADT, QKG, hck, D, zx, yg)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,

@@ -130,21 +130,152 @@ MB_KERNEL void mb_ssd_put_k(int64_t B, const int64_t *off, const int64_t *eoff, 
     }
 }
 
+/* Register-tiled chunk products. A thread holds acc[RN][CN] of a product whose
+ * operands are staged k-major in shared memory: its rows at a + k lda + RG g + (0..3)
+ * for g < RN / 4, its columns at b + k ldb + CG g + (0..3) for g < CN / 4, so the
+ * operands of a term are a few float4 reads shared by many fmas. Each output is one
+ * chain: one fmaf(row operand, column operand, acc) per term, k ascending; a caller
+ * continues a chain across stages by keeping acc. */
+template <int RN, int RG, int CN, int CG>
+MB_DEV void ssd_frag(float (&x)[RN], float (&y)[CN], const float *a, int lda, const float *b,
+                     int ldb, int k)
+{
+#pragma unroll
+    for (int g = 0; g < RN / 4; g++) {
+        const float4 v = *(const float4 *)(a + k * lda + g * RG);
+        x[4 * g] = v.x; x[4 * g + 1] = v.y; x[4 * g + 2] = v.z; x[4 * g + 3] = v.w;
+    }
+#pragma unroll
+    for (int g = 0; g < CN / 4; g++) {
+        const float4 v = *(const float4 *)(b + k * ldb + g * CG);
+        y[4 * g] = v.x; y[4 * g + 1] = v.y; y[4 * g + 2] = v.z; y[4 * g + 3] = v.w;
+    }
+}
+
+/* One term of every output; odd rows run backwards so consecutive fmas share an
+ * operand register. */
+template <int RN, int CN>
+MB_DEV void ssd_fma(float (&acc)[RN][CN], const float (&x)[RN], const float (&y)[CN])
+{
+#pragma unroll
+    for (int r = 0; r < RN; r++)
+#pragma unroll
+        for (int qq = 0; qq < CN; qq++) {
+            const int q = r & 1 ? CN - 1 - qq : qq;
+            acc[r][q] = fmaf(x[r], y[q], acc[r][q]);
+        }
+}
+
+/* acc continued over the terms k in [k0, k1); the operands of k + 1 are read while the
+ * fmas of k run. */
+template <int RN, int RG, int CN, int CG>
+MB_DEV void ssd_mma(float (&acc)[RN][CN], const float *a, int lda, const float *b, int ldb,
+                    int k0, int k1)
+{
+    if (k0 >= k1) return;
+    float x[2][RN], y[2][CN];
+    ssd_frag<RN, RG, CN, CG>(x[0], y[0], a, lda, b, ldb, k0);
+    int k = k0;
+    for (; k + 2 <= k1; k += 2) {
+        ssd_frag<RN, RG, CN, CG>(x[1], y[1], a, lda, b, ldb, k + 1);
+        ssd_fma(acc, x[0], y[0]);
+        if (k + 2 < k1) ssd_frag<RN, RG, CN, CG>(x[0], y[0], a, lda, b, ldb, k + 2);
+        ssd_fma(acc, x[1], y[1]);
+    }
+    if (k < k1) ssd_fma(acc, x[0], y[0]);
+}
+
+/* ssd_mma for 8 consecutive rows where row r takes term k only when k < lim + r (the
+ * causal masks): the terms every row takes, then the few that only some rows take. */
+template <int CN, int CG>
+MB_DEV void ssd_mma_tri(float (&acc)[8][CN], const float *a, int lda, const float *b, int ldb,
+                        int k0, int k1, int lim)
+{
+    const int kf = lim < k0 ? k0 : lim < k1 ? lim : k1, ke = lim + 7 < k1 ? lim + 7 : k1;
+    ssd_mma<8, 4, CN, CG>(acc, a, lda, b, ldb, k0, kf);
+    for (int k = kf; k < ke; k++) {
+        float x[8], y[CN];
+        ssd_frag<8, 4, CN, CG>(x, y, a, lda, b, ldb, k);
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            if (k < lim + r)
+#pragma unroll
+                for (int q = 0; q < CN; q++) acc[r][q] = fmaf(x[r], y[q], acc[r][q]);
+    }
+}
+
+/* The 64 x 64 tiles of mb_m2_g_k, mb_m2_y_k and mb_m3_y_k: SSD_UT threads, thread t
+ * holding rows ssd_r(t) + (0..7) and columns ssd_c(t) + (0..3), + 32 + (0..3), of
+ * operands staged [k][SSD_LD]. The padding keeps the float4 stores of a transposing
+ * stage (8 consecutive k a quarter-warp) on distinct banks. */
+#define SSD_UT 64
+#define SSD_LD 68
+MB_DEV int ssd_r(int t) { return 8 * (t / 8); }
+MB_DEV int ssd_c(int t) { return 4 * (t % 8); }
+/* column q < 8 of thread t */
+MB_DEV int ssd_cq(int t, int q) { return ssd_c(t) + (q < 4 ? q : 28 + q); }
+
+MB_DEV void ssd_mma64(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                      int k0, int k1)
+{
+    const int t = threadIdx.x;
+    ssd_mma<8, 4, 8, 32>(acc, &a[0][ssd_r(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1);
+}
+
+MB_DEV void ssd_mma64_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                          int k0, int k1, int lim)
+{
+    const int t = threadIdx.x;
+    ssd_mma_tri<8, 32>(acc, &a[0][ssd_r(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1,
+                       lim + ssd_r(t));
+}
+
+MB_DEV void ssd_zero(float (&acc)[8][8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int q = 0; q < 8; q++) acc[r][q] = 0.0f;
+}
+
+/* dst[k][r] = src(r, k) for r, k < 64 (a transposing stage: four rows of one k per
+ * item, one float4 store; consecutive threads read consecutive k). */
+template <class F> MB_DEV void ssd_stage_t(float (*dst)[SSD_LD], F src)
+{
+    for (int e = threadIdx.x; e < 64 * 16; e += SSD_UT) {
+        const int k = e % 64, r = e / 64 * 4;
+        float4 v;
+        v.x = src(r, k);
+        v.y = src(r + 1, k);
+        v.z = src(r + 2, k);
+        v.w = src(r + 3, k);
+        *(float4 *)&dst[k][r] = v;
+    }
+}
+
+/* dst[k][c] = src(k, c) for k < nk, c < 64. */
+template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
+{
+    for (int e = threadIdx.x; e < nk * 64; e += SSD_UT) dst[e / 64][e % 64] = src(e / 64, e % 64);
+}
+
 #define SSD_FOLD_THREADS 256
 #define SSD_FJ 32 /* chunk rows staged per step of a fold */
 
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
  * (one fmaf each, from +0): both factors of SSD_FJ rows are staged in shared memory
- * at a time, each formed once. Thread t of SSD_FOLD_THREADS owns m = t % SSD_NS and
- * p = p0 + q, p0 = 32 (t / SSD_NS), q < 32; writes out(e, S) for e = p * SSD_NS + m.
- * The caller's block shares sA, sB. */
+ * at a time (16-byte aligned), each formed once. Thread t of SSD_FOLD_THREADS owns m =
+ * 4 (t / 8) + (0..3) and p = 4 (t % 8) + (0..3), + 32 + (0..3); writes out(e, S) for
+ * e = p * SSD_NS + m. The caller's block shares sA, sB. */
 template <class FA, class FB, class Out>
 MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
-    const int m = threadIdx.x % SSD_NS, p0 = (threadIdx.x / SSD_NS) * 32;
-    float acc[32];
+    const int m0 = 4 * (threadIdx.x / 8), p0 = 4 * (threadIdx.x % 8);
+    float acc[4][8];
 #pragma unroll
-    for (int q = 0; q < 32; q++) acc[q] = 0.0f;
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 8; q++) acc[r][q] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += SSD_FJ) {
         const int nj = n - j0 < SSD_FJ ? (int)(n - j0) : SSD_FJ;
         __syncthreads(); /* the previous rows are consumed */
@@ -153,14 +284,12 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
         for (int e = threadIdx.x; e < nj * SSD_HP; e += SSD_FOLD_THREADS)
             sB[e / SSD_HP][e % SSD_HP] = b(j0 + e / SSD_HP, e % SSD_HP);
         __syncthreads();
-        for (int jj = 0; jj < nj; jj++) {
-            const float x = sA[jj][m];
-#pragma unroll
-            for (int q = 0; q < 32; q++) acc[q] = fmaf(x, sB[jj][p0 + q], acc[q]);
-        }
+        ssd_mma<4, 4, 8, 32>(acc, &sA[0][m0], SSD_NS, &sB[0][p0], SSD_HP, 0, nj);
     }
 #pragma unroll
-    for (int q = 0; q < 32; q++) out((p0 + q) * SSD_NS + m, acc[q]);
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 8; q++) out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[r][q]);
 }
 
 #endif

@@ -3,12 +3,14 @@
  * xBC, CD wide: x | B | C) and DTR (ext rows of in_proj's dt, H wide).
  *   mb_m2_prep_k   dt = clamp(softplus(dt_raw + dt_bias)), dA = dt * A, the
  *                  serial cumsum cs, per (chunk, head).
- *   mb_m2_g_k      G = C . B^T per chunk (dot v1, k = 128), causal entries only.
+ *   mb_m2_g_k      G = C . B^T per chunk (dot v1, k = 128), causal entries only, a
+ *                  64 x 64 tile per block.
  *   mb_m2_fold_k   S = (B * exp(cs_last - cs))^T . Xd per (chunk, head); with hin,
  *                  the fold fma(exp(cs_last), hin, S) itself (the h_last report).
  *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block.
  *   mb_m2_gate_k   g = Y * silu(z).
- * Every sum is the C reference's serial chain, one thread per output. */
+ * Every sum is the C reference's serial chain, each output's own (the products in
+ * ssd.cu's register tiles). */
 #include "ssd.cu"
 
 #define M2Q 256
@@ -36,18 +38,42 @@ MB_KERNEL void mb_m2_prep_k(int64_t NC, const int64_t *desc, int64_t H, const fl
     }
 }
 
-/* G[c][i][j] = dot(C_i, B_j) for r0 <= i < n, j <= i. */
-MB_KERNEL void mb_m2_g_k(int64_t NC, const int64_t *desc, int64_t di, int64_t CD, const float *U,
-                         float *G)
+#define G_TILES 10 /* the lower triangle of a chunk's 4 x 4 grid of 64 x 64 tiles */
+
+/* Block (tile, chunk c), SSD_UT threads: G[c][i][j] = dot(C_i, B_j) for r0 <= i < n,
+ * j <= i, of the tile's rows and columns; C and B staged 64 of their 128 columns at
+ * a time. */
+MB_KERNEL void MB_BOUNDS(SSD_UT)
+mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
 {
-    MB_GRID_LOOP(t, NC * M2Q * M2Q) {
-        const int64_t c = t / (M2Q * M2Q), i = (t / M2Q) % M2Q, j = t % M2Q;
-        const int64_t *d = desc + c * MB_DESC;
-        if (i < d[3] || i >= d[2] || j > i) continue;
-        const float *Ci = U + (d[1] + i) * CD + di + SSD_NS, *Bj = U + (d[1] + j) * CD + di;
-        float acc = 0.0f;
-        for (int m = 0; m < SSD_NS; m++) acc = fmaf(Ci[m], Bj[m], acc);
-        G[t] = acc;
+    __shared__ __align__(16) float Ct[64][SSD_LD], Bt[64][SSD_LD];
+    const int64_t c = blockIdx.y, *d = desc + c * MB_DESC, e0 = d[1], n = d[2], r0 = d[3];
+    int ti = 0, tj = blockIdx.x;
+    while (tj > ti) tj -= ++ti;
+    const int64_t i0 = 64 * ti, j0 = 64 * tj;
+    if (i0 >= n || i0 + 64 <= r0) return;
+    const float *u = U + e0 * CD + di;
+    float acc[8][8];
+    ssd_zero(acc);
+    for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
+        __syncthreads(); /* the previous columns are consumed */
+        ssd_stage_t(Ct, [&](int r, int k) {
+            return i0 + r < n ? u[(i0 + r) * CD + SSD_NS + m0 + k] : 0.0f;
+        });
+        ssd_stage_t(Bt, [&](int r, int k) { return j0 + r < n ? u[(j0 + r) * CD + m0 + k] : 0.0f; });
+        __syncthreads();
+        ssd_mma64(acc, Ct, Bt, 0, 64);
+    }
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int64_t i = i0 + ssd_r(t) + r;
+        if (i < r0 || i >= n) continue;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const int64_t j = j0 + ssd_cq(t, q);
+            if (j <= i) G[(c * M2Q + i) * M2Q + j] = acc[r][q];
+        }
     }
 }
 
@@ -61,7 +87,7 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
              const float *dt, const float *cs, const float *hin, float *out, float *E)
 {
     __shared__ float dec[M2Q];
-    __shared__ float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
+    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
@@ -80,83 +106,101 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
-#define Y_THREADS 256
-#define YT 32 /* output rows per tile */
-#define YJ 32 /* rows of x staged per step */
-#define YM 16 /* columns of C and h_prev staged per step */
-
-/* Block (head h, chunk c), Y_THREADS threads; the chunk's output rows in tiles of
- * YT. For a tile, thread j (one per column) walks seg[i][j], the serial sum of
- * dA[j+1..i] from +0, down the tile's rows (carrying it from the tile above) and
- * stores that tile of M = G * exp(seg) in shared memory (tiles of rows before r0,
- * which came from the state, only advance seg); then each thread forms 8
- * rows of one p: Y_diag = M . Xd (the chain over j ascending, Xd = x * dt staged
- * YJ rows at a time), Y_off = (C_i . h_prev) * exp(cs_i) (the chain over m, C and
- * h_prev staged YM columns at a time) and y = (Y_diag + Y_off) + x * D into yb (packed tokens, di wide), for rows r0 <= i < n. */
-MB_KERNEL void MB_BOUNDS(Y_THREADS)
+/* Block (head h, chunk c), SSD_UT threads; the chunk's rows in tiles of 64, each
+ * tile's outputs in registers (ssd.cu's 64 x 64 tiles, columns p):
+ *   Y_off = (C_i . h_prev) * exp(cs_i), the chain over m (C and h_prev staged 64
+ *   columns at a time);
+ *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: thread
+ *   t walks column j = j0 + t of M = G * exp(seg) down the row tile (seg[i][j] the
+ *   serial sum of dA[j+1..i] from +0, carried in segc from the tile above; rows
+ *   before r0, which came from the state, only advance it) while Xd = x * dt is
+ *   staged;
+ *   y = (Y_diag + Y_off) + x * D into yb (packed tokens, di wide), rows r0 <= i < n. */
+MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
           const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
           float *yb)
 {
-    __shared__ float Mt[YT][M2Q], Xd[YJ][SSD_HP];
-    __shared__ float Ct[YT][YM + 1], Ht[SSD_HP][YM + 1];
+    __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
+    __shared__ float dAs[M2Q], segc[M2Q];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
-    const float *dAc = dA + ch * M2Q, *dtc = dt + ch * M2Q, *g = G + c * M2Q * M2Q;
-    const int tid = threadIdx.x, p = tid % SSD_HP, rb = (tid / SSD_HP) * 8;
-    float seg = 0.0f; /* thread tid's column: seg[i][tid] of the last row walked */
-    for (int64_t i0 = 0; i0 < n; i0 += YT) {
-        const int64_t i1 = n - i0 < YT ? n : i0 + YT;
-        for (int64_t i = i0 > tid ? i0 : tid; i < i1; i++) {
-            seg = i == tid ? 0.0f : seg + dAc[i];
-            if (i >= r0) Mt[i - i0][tid] = g[i * M2Q + tid] * mb_exp(seg);
-        }
-        if (i1 <= r0) continue; /* rows from the state only: seg walked, no output */
-        float yd[8];
-#pragma unroll
-        for (int r = 0; r < 8; r++) yd[r] = 0.0f;
-        for (int64_t j0 = 0; j0 < i1; j0 += YJ) {
-            const int nj = i1 - j0 < YJ ? (int)(i1 - j0) : YJ;
-            __syncthreads(); /* Mt is written; the previous Xd rows are consumed */
-            for (int e = tid; e < nj * SSD_HP; e += Y_THREADS) {
-                const int jj = e / SSD_HP, pp = e % SSD_HP;
-                Xd[jj][pp] = U[(e0 + j0 + jj) * CD + h * SSD_HP + pp] * dtc[j0 + jj];
+    const float *dtc = dt + ch * M2Q, *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
+    const float *hp = hck + ch * SSD_HP * SSD_NS;
+    const int t = threadIdx.x;
+    for (int64_t i = t; i < n; i += SSD_UT) dAs[i] = dA[ch * M2Q + i];
+    for (int64_t i0 = 0; i0 < n; i0 += 64) {
+        const bool out = n > r0 && i0 + 64 > r0; /* the tile has outputs */
+        float yo[8][8], acc[8][8];
+        ssd_zero(acc);
+        if (out) {
+            for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
+                __syncthreads(); /* the previous operands are consumed (dAs is written) */
+                ssd_stage_t(Ta, [&](int r, int k) {
+                    return i0 + r < n ? u[(i0 + r) * CD + di + SSD_NS + m0 + k] : 0.0f;
+                });
+                ssd_stage_t(Tb, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
+                __syncthreads();
+                ssd_mma64(acc, Ta, Tb, 0, 64);
             }
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                const int64_t i = i0 + ssd_r(t) + r;
+                const float e = i < n ? mb_exp(cs[ch * M2Q + i]) : 0.0f;
+#pragma unroll
+                for (int q = 0; q < 8; q++) yo[r][q] = acc[r][q] * e;
+            }
+            ssd_zero(acc);
+        }
+        for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
+            const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
+            const int64_t j = j0 + t, ni = n - i0 < 64 ? n - i0 : 64;
+            __syncthreads(); /* the previous operands are consumed (dAs is written) */
+            if (t < nj) {
+                /* column j's rows i0 + ii, four to a float4 store (rows before j,
+                 * past n or before r0 are never read) */
+                float s = j0 < i0 ? segc[j] : 0.0f;
+                for (int64_t ii0 = j0 < i0 ? 0 : (t & ~3); ii0 < ni; ii0 += 4) {
+                    float mv[4];
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        const int64_t i = i0 + ii0 + k;
+                        mv[k] = 0.0f;
+                        if (i < j || i >= n) continue;
+                        if (i > j) s = s + dAs[i];
+                        if (i >= r0) mv[k] = g[i * M2Q + j] * mb_exp(s);
+                    }
+                    float4 v;
+                    v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
+                    *(float4 *)&Ta[t][ii0] = v;
+                }
+                segc[j] = s;
+            }
+            if (out)
+                ssd_stage(Tb, nj, [&](int k, int p) {
+                    return u[(j0 + k) * CD + h * SSD_HP + p] * dtc[j0 + k];
+                });
             __syncthreads();
-            for (int jj = 0; jj < nj; jj++) {
-                const int64_t j = j0 + jj;
-                const float xv = Xd[jj][p];
-#pragma unroll
-                for (int r = 0; r < 8; r++)
-                    if (j <= i0 + rb + r) yd[r] = fmaf(Mt[rb + r][j], xv, yd[r]);
+            if (out) {
+                if (j0 < i0)
+                    ssd_mma64(acc, Ta, Tb, 0, nj);
+                else
+                    ssd_mma64_tri(acc, Ta, Tb, 0, nj, 1);
             }
         }
-        float yo[8];
-#pragma unroll
-        for (int r = 0; r < 8; r++) yo[r] = 0.0f;
-        for (int m0 = 0; m0 < SSD_NS; m0 += YM) {
-            __syncthreads(); /* the previous columns are consumed */
-            for (int e = tid; e < YT * YM; e += Y_THREADS) {
-                const int64_t i = i0 + e / YM;
-                Ct[e / YM][e % YM] = i < n ? U[(e0 + i) * CD + di + SSD_NS + m0 + e % YM] : 0.0f;
-            }
-            for (int e = tid; e < SSD_HP * YM; e += Y_THREADS)
-                Ht[e / YM][e % YM] = hck[(ch * SSD_HP + e / YM) * SSD_NS + m0 + e % YM];
-            __syncthreads();
-#pragma unroll
-            for (int mm = 0; mm < YM; mm++)
-#pragma unroll
-                for (int r = 0; r < 8; r++) yo[r] = fmaf(Ct[rb + r][mm], Ht[p][mm], yo[r]);
-        }
+        if (!out) continue;
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const int64_t i = i0 + rb + r;
+            const int64_t i = i0 + ssd_r(t) + r;
             if (i < r0 || i >= n) continue;
-            const float y = (yd[r] + yo[r] * mb_exp(cs[ch * M2Q + i])) +
-                            U[(e0 + i) * CD + h * SSD_HP + p] * D[h];
-            yb[(d[4] + i - r0) * di + h * SSD_HP + p] = y;
+            const float *xr = u + i * CD + h * SSD_HP;
+            float *yr = yb + (d[4] + i - r0) * di + h * SSD_HP;
+#pragma unroll
+            for (int q = 0; q < 8; q++) {
+                const int p = ssd_cq(t, q);
+                yr[p] = (acc[r][q] + yo[r][q]) + xr[p] * D[h];
+            }
         }
-        __syncthreads(); /* the next tile rewrites Mt */
     }
 }
 
@@ -169,7 +213,4 @@ MB_KERNEL void mb_m2_gate_k(int64_t M, int64_t di, const float *zxd, int64_t NP,
 }
 
 #undef M2Q
-#undef Y_THREADS
-#undef YT
-#undef YJ
-#undef YM
+#undef G_TILES

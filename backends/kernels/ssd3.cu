@@ -199,7 +199,7 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
              const float *SIG, const float *ADT, const float *hin, float *out, float *E)
 {
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
-    __shared__ float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
+    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     const bool sealed = d[5] != 0;
@@ -225,127 +225,106 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 
-#define Y3_THREADS 256
-#define Y3K 16 /* columns of q, k and h_prev staged per step */
-
-/* Stage rows [0, 64) x columns [m0, m0 + Y3K) of an (ext row, head) array of width
- * SSD_NS into dst, each row times f(row); rows at or past n read as +0. */
-template <class Fn>
-MB_DEV void m3_stage(float (*dst)[Y3K + 1], const float *src, int64_t e0, int64_t n, int64_t H,
-                     int64_t h, int m0, Fn f)
-{
-    for (int e = threadIdx.x; e < M3Q * Y3K; e += Y3_THREADS) {
-        const int r = e / Y3K, mm = e % Y3K;
-        dst[r][mm] = r < n ? src[((e0 + r) * H + h) * SSD_NS + m0 + mm] * f(r) : 0.0f;
-    }
-}
-
-/* acc[r][q] advanced by the staged columns: the chain of row 4 ti + r of At with row
- * 4 tj + q of Bt, column by column. */
-MB_DEV void m3_products(float (&acc)[4][4], const float (*At)[Y3K + 1], const float (*Bt)[Y3K + 1],
-                        int ti, int tj)
-{
-#pragma unroll
-    for (int mm = 0; mm < Y3K; mm++)
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                acc[r][q] = fmaf(At[4 * ti + r][mm], Bt[4 * tj + q][mm], acc[r][q]);
-}
-
-/* Block (head h, chunk c), Y3_THREADS threads; thread (ti, tj) owns rows 4 ti..+3
- * and columns 4 tj..+3 of each 64 x 64 product. The chains are the C reference's:
- * G[i][j] = q_i . (k_j * scale_j) over m ascending (both staged Y3K columns at a
- * time); M[i][j] = G * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i]
- * from +0, walked down each column by one thread); ys = q_i . h_prev over m; yi =
- * M . v over u < i ascending; y = ys * exp(cs_i) + yi, y = y + (D + qk_gamma) * v,
- * y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i < n. */
-MB_KERNEL void MB_BOUNDS(Y3_THREADS)
+/* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The
+ * chains are the C reference's: ys = q_i . h_prev over m and G[i][j] = q_i . (k_j *
+ * scale_j) over m (q, h_prev and k staged 64 columns at a time); M[i][j] = G *
+ * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0, walked down
+ * each column by one thread); yi = M . v over u < i ascending; y = ys * exp(cs_i) +
+ * yi, y = y + (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for
+ * rows r0 <= i < n. */
+MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
           const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
           const float *hck, const float *D, const float *zx, float *yg)
 {
-    __shared__ float At[M3Q][Y3K + 1], Bt[M3Q][Y3K + 1];
-    __shared__ float Mt[M3Q][M3Q + 1], Vs[M3Q][SSD_HP];
-    __shared__ float ecs[M3Q];
+    __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
-    const int tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
-    const float *adt = ADT + e0 * H + h; /* row u at adt[u * H] */
-    float acc[4][4];
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) acc[r][q] = 0.0f;
-    /* G; the scale of row j reads row j + 1, which exists for every j < n - 1 */
-    for (int m0 = 0; m0 < SSD_NS; m0 += Y3K) {
-        __syncthreads();
-        m3_stage(At, Q, e0, n, H, h, m0, [](int64_t) { return 1.0f; });
-        m3_stage(Bt, K, e0, n, H, h, m0, [&](int64_t j) {
-            return j + 1 < n ? m3_scale(DT, SIG, H, (e0 + j) * H + h, true) : 0.0f;
-        });
-        __syncthreads();
-        m3_products(acc, At, Bt, ti, tj);
-    }
-    /* seg down column j (thread j) into Mt, and cs (thread M3Q) into ecs */
-    if (tid < n) {
-        float s = 0.0f;
-        for (int64_t i = tid + 1; i < n; i++) {
-            s = s + adt[i * H];
-            Mt[i][tid] = s;
-        }
-    } else if (tid == M3Q) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            s = s + adt[i * H];
-            ecs[i] = mb_exp(s);
-        }
-    }
-    for (int e = tid; e < M3Q * SSD_HP; e += Y3_THREADS) {
-        const int u = e / SSD_HP, p = e % SSD_HP;
-        Vs[u][p] = u < n ? V[((e0 + u) * H + h) * SSD_HP + p] : 0.0f;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
+    const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
+    const float *hp = hck + ch * SSD_HP * SSD_NS;
+    const int t = threadIdx.x;
+    /* the scale of row j reads row j + 1, which exists for every j < n - 1 */
+    if (t < n) {
+        const int64_t e = (e0 + t) * H + h;
+        adt[t] = ADT[e];
+        sc[t] = t + 1 < n ? m3_scale(DT, SIG, H, e, true) : 0.0f;
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int i = 4 * ti + r, j = 4 * tj + q;
-            if (j < i && i < n) Mt[i][j] = acc[r][q] * mb_exp(Mt[i][j]);
-            acc[r][q] = 0.0f;
-        }
-    /* ys = q . h_prev, with columns p = 4 tj..+3 */
-    const float *hp = hck + ch * SSD_HP * SSD_NS;
-    for (int m0 = 0; m0 < SSD_NS; m0 += Y3K) {
+    if (t == 0) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
+    }
+    float ys[8][8], acc[8][8];
+    ssd_zero(acc);
+    for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
+        __syncthreads(); /* the previous operands are consumed */
+        ssd_stage_t(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
+        ssd_stage_t(Tb, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
         __syncthreads();
-        m3_stage(At, Q, e0, n, H, h, m0, [](int64_t) { return 1.0f; });
-        for (int e = tid; e < SSD_HP * Y3K; e += Y3_THREADS) {
-            const int p = e / Y3K, mm = e % Y3K;
-            Bt[p][mm] = hp[p * SSD_NS + m0 + mm];
-        }
-        __syncthreads();
-        m3_products(acc, At, Bt, ti, tj);
+        ssd_mma64(acc, Ta, Tb, 0, 64);
     }
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int64_t i = 4 * ti + r;
+    for (int r = 0; r < 8; r++) {
+        const int64_t i = ssd_r(t) + r;
+        const float e = i < n ? mb_exp(cs[i]) : 0.0f;
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) ys[r][qq] = acc[r][qq] * e;
+    }
+    ssd_zero(acc);
+    for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
+        __syncthreads();
+        ssd_stage_t(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
+        ssd_stage_t(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
+        __syncthreads();
+        ssd_mma64(acc, Ta, Tb, 0, 64);
+    }
+    /* seg down column j = t into Ta[j][i], four rows to a float4 store (rows up to j
+     * are never read); v into Tb */
+    __syncthreads();
+    if (t < n) {
+        float s = 0.0f;
+        for (int64_t i0 = t & ~3; i0 < n; i0 += 4) {
+            float sv[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t i = i0 + u;
+                sv[u] = 0.0f;
+                if (i <= t || i >= n) continue;
+                sv[u] = s = s + adt[i];
+            }
+            float4 v;
+            v.x = sv[0], v.y = sv[1], v.z = sv[2], v.w = sv[3];
+            *(float4 *)&Ta[t][i0] = v;
+        }
+    }
+    ssd_stage(Tb, (int)n, [&](int u, int p) { return V[((e0 + u) * H + h) * SSD_HP + p]; });
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) {
+            const int i = ssd_r(t) + r, j = ssd_cq(t, qq);
+            if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
+            acc[r][qq] = 0.0f;
+        }
+    __syncthreads();
+    ssd_mma64_tri(acc, Ta, Tb, 0, (int)n, 0);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int64_t i = ssd_r(t) + r;
         if (i < r0 || i >= n) continue;
         const int64_t ei = (e0 + i) * H + h, tok = d[4] + i - r0;
+        const float dq = D[h] + QKG[ei];
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int p = 4 * tj + q;
-            float yi = 0.0f;
-            for (int64_t u = 0; u < i; u++) yi = fmaf(Mt[i][u], Vs[u][p], yi);
-            float y = acc[r][q] * ecs[i] + yi;
-            y = y + (D[h] + QKG[ei]) * Vs[i][p];
+        for (int qq = 0; qq < 8; qq++) {
+            const int p = ssd_cq(t, qq);
+            float y = ys[r][qq] + acc[r][qq];
+            y = y + dq * Tb[i][p];
             yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
         }
     }
 }
-
-#undef Y3_THREADS
-#undef Y3K
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
