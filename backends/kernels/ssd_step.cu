@@ -143,9 +143,10 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
     for (int64_t j0 = 0; j0 <= t; j0 += STEP_TILE) {
         const int64_t nj = t + 1 - j0 < STEP_TILE ? t + 1 - j0 : STEP_TILE;
         __syncthreads();
-        for (int e = tid; e < nj * SSD_HP; e += STEP_Q2) {
-            const int64_t j = j0 + e / SSD_HP, c = e % SSD_HP;
-            Xt[e / SSD_HP][c] = u[j * CD + c0 + c] * dtc[j];
+#pragma unroll /* a fixed count: the loads issue together */
+        for (int i = 0; i < STEP_TILE * SSD_HP / STEP_Q2; i++) {
+            const int e = tid + i * STEP_Q2, r = e / SSD_HP, c = e % SSD_HP;
+            if (r < nj) Xt[r][c] = u[(j0 + r) * CD + c0 + c] * dtc[j0 + r];
         }
         __syncthreads();
         if (tid < SSD_HP)
@@ -325,8 +326,9 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
     }
     const int p = tid;
     const float *v = V + (e0 * H + hh) * SSD_HP + p; /* row u at v[u * H * HP] */
-#pragma unroll 8
-    for (int64_t u = 0; u < w; u++) Vt[u][p] = v[u * H * SSD_HP];
+#pragma unroll /* a fixed count: the loads issue together */
+    for (int u = 0; u < M3Q; u++)
+        if (u < w) Vt[u][p] = v[u * H * SSD_HP];
     __syncthreads();
     const float ys = step_dot<false>(qs, hs + p * SSD_NS, 1.0f);
     float yi = 0.0f;
