@@ -281,8 +281,7 @@ class M2Session(_SsdSession):
     of its output row, from one step to the next and computes only what the new row
     adds; they are rebuilt at the first step after the session opens and after each
     sync_state or load_state (ctl[1])."""
-    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k",
-               "mb_m2_gate_k")
+    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k")
 
     @staticmethod
     def advance(count, n):
@@ -322,8 +321,7 @@ class M2Session(_SsdSession):
             L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
               desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
             L(cs, "mb_m2_step_y_k", (H, B), M2_Q,
-              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, h, seg, yg)
-            L(cs, "mb_m2_gate_k", (be._grid(B * di),), THREADS, B, di, zx, NP, yg)
+              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, h, seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
             # the folded chunk's zeros wait for every reader of the buffers; the grid

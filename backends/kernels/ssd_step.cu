@@ -107,11 +107,13 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
  * dA[j+1..t] from +0, is carried between steps in seg (B * H, 256): each step adds
  * dA[t] to the columns of the row before (the same chain), or, when ctl[1] asks,
  * walks it again. h is the state entering the chunk; a chunk that folds then moves
- * the row's heads on, h = fma(E, h, S) as mb_ssd_chain_k does. */
+ * the row's heads on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves
+ * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_gate_k would. */
 MB_KERNEL void MB_BOUNDS(STEP_Q2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
-               const float *E, const float *S, float *h, float *seg, float *yb)
+               const float *E, const float *S, const float *zx, int64_t NP, float *h, float *seg,
+               float *yb)
 {
     __shared__ float Mt[STEP_Q2], Ct[SSD_NS], Yo[SSD_HP];
     __shared__ float Xt[STEP_TILE][SSD_HP];
@@ -155,7 +157,8 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
     if (tid < SSD_HP) {
         const float yo = t < STEP_Q2 - SSD_HP ? Yo[tid] : step_dot<false>(Ct, hs + tid * SSD_NS, 1.0f);
         const int64_t c = c0 + tid;
-        yb[b * di + c] = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
+        const float y = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
+        yb[b * di + c] = y * mb_silu(zx[b * NP + c]); /* mb_m2_gate_k's gate */
     }
     if (!d[5]) return;
     __syncthreads(); /* h is read */
