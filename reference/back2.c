@@ -320,7 +320,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     const int64_t sz[] = {
         B * CD * TAPS + B * H * HP * NS + B * CQ * CD + B * CQ * H, /* fresh state */
         M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
-        M * dm,                                                  /* forward output, then dxn */
+        M * dm,                                                  /* dxn */
         M * di, M * di, M * di, M * di,                          /* g, gn / dg, dgn / dY, xr */
         M * NP, M * CD, 4 * M * H,                               /* dzxd, du, ddA dts dcs sacc */
         2 * B * H * nk * NS * HP + B * H * nk,                   /* dhn, dh, E */
@@ -346,12 +346,12 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     const mb_m2_state st = {p[0], p[0] + B * CD * TAPS, p[0] + B * CD * TAPS + B * H * HP * NS,
                             p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
     const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[6]};
-    float *yf = p[7], *g = p[8], *gn = p[9], *dgn = p[10], *xr2 = p[11];
+    float *g = p[8], *gn = p[9], *dgn = p[10], *xr2 = p[11];
     float *dzxd = p[12], *du = p[13], *ddA = p[14], *dts = ddA + M * H;
     float *dhn = p[15], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
     float *scr = p[16], *xn = p[17], *xr = p[18];
 
-    int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, yf, &acts);
+    int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, &acts);
     if (rc != MB_OK) {
         mb_scratch_give(buf);
         free(cnt);
@@ -428,7 +428,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
 
     /* in_proj: dW = dzxd^T . xn over the tokens; dxn = dzxd . W */
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->block_norm_w, xn, dm);
-    float *dxn = yf;
+    float *dxn = p[7];
     rc = MB_ISA_FN(mb_linear_bwd)(M, NP, dm, xn, dm, w->in_proj, dm, dzxd, NP, gr->in_proj, dxn, dm);
     if (rc != MB_OK) {
         mb_scratch_give(buf);

@@ -386,11 +386,14 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         st->buffered_tokens[b] = r;
     }
 
-    /* the SSD gated its outputs (g = Y * silu(z)); RMSNorm over di, out_proj, residual */
-    MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
-    MB_ISA_FN(mb_out_residual)(M, dm, di, yb, w->out_proj, xs, xn, ys);
-    if (lengths)
-        mb_unpack_rows(B, L, dm, off, ys, y);
+    /* the SSD gated its outputs (g = Y * silu(z)); RMSNorm over di, out_proj, residual
+     * (not for the backward's activations, which stop at Y) */
+    if (!acts) {
+        MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
+        MB_ISA_FN(mb_out_residual)(M, dm, di, yb, w->out_proj, xs, xn, ys);
+        if (lengths)
+            mb_unpack_rows(B, L, dm, off, ys, y);
+    }
     free(gt);
     mb_scratch_give(buf);
     free(ib);
@@ -404,9 +407,9 @@ int MB_ISA_FN(mb_m2_forward)(const mb_m2_weights *w, int64_t B, int64_t L, const
 }
 
 int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                          const mb_m2_state *st, float *y, const m2_acts *acts)
+                          const mb_m2_state *st, const m2_acts *acts)
 {
-    return m2_run(w, B, L, NULL, x, st, y, acts);
+    return m2_run(w, B, L, NULL, x, st, NULL, acts);
 }
 
 int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)

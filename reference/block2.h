@@ -30,6 +30,6 @@ void MB_ISA_FN(mb_m2_mm64)(int R, int64_t K, const float *a, int64_t sar, int64_
                            const float *b, int64_t ldb, float *out, int64_t ldo);
 
 int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                          const mb_m2_state *st, float *y, const m2_acts *acts);
+                          const mb_m2_state *st, const m2_acts *acts);
 
 #endif
