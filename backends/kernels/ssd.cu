@@ -238,25 +238,57 @@ MB_DEV void ssd_zero(float (&acc)[8][8])
         for (int q = 0; q < 8; q++) acc[r][q] = 0.0f;
 }
 
-/* dst[k][r] = src(r, k) for r, k < 64 (a transposing stage: four rows of one k per
- * item, one float4 store; consecutive threads read consecutive k). */
-template <class F> MB_DEV void ssd_stage_t(float (*dst)[SSD_LD], F src)
+/* Stages read SSD_BATCH values a thread before storing any, so that their loads are
+ * in flight together rather than one global latency each. */
+#define SSD_BATCH 16
+
+/* dst[k][r] = src(r, k) for k < KN, r < 64 (a transposing stage): thread t takes k =
+ * t % KN (consecutive threads read consecutive k) and KN rows from KN (t / KN), stored
+ * four to a float4. */
+template <int KN, class F> MB_DEV void ssd_stage_t(float (*dst)[SSD_LD], F src)
 {
-    for (int e = threadIdx.x; e < 64 * 16; e += SSD_UT) {
-        const int k = e % 64, r = e / 64 * 4;
-        float4 v;
-        v.x = src(r, k);
-        v.y = src(r + 1, k);
-        v.z = src(r + 2, k);
-        v.w = src(r + 3, k);
-        *(float4 *)&dst[k][r] = v;
+    const int k = threadIdx.x % KN, rb = threadIdx.x / KN * KN;
+#pragma unroll 1
+    for (int r0 = rb; r0 < rb + KN; r0 += SSD_BATCH) {
+        float v[SSD_BATCH];
+#pragma unroll
+        for (int u = 0; u < SSD_BATCH; u++) v[u] = src(r0 + u, k);
+#pragma unroll
+        for (int u = 0; u < SSD_BATCH; u += 4) {
+            float4 w;
+            w.x = v[u], w.y = v[u + 1], w.z = v[u + 2], w.w = v[u + 3];
+            *(float4 *)&dst[k][r0 + u] = w;
+        }
     }
 }
 
-/* dst[k][c] = src(k, c) for k < nk, c < 64. */
+/* A thread's 8 x 8 outputs parked in (or read back from) a 64 x 64 tile, row-major. */
+MB_DEV void ssd_park(float (*dst)[SSD_LD], const float (&acc)[8][8])
+{
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            float4 w;
+            w.x = acc[r][4 * g], w.y = acc[r][4 * g + 1], w.z = acc[r][4 * g + 2], w.w = acc[r][4 * g + 3];
+            *(float4 *)&dst[ssd_r(t) + r][ssd_c(t) + 32 * g] = w;
+        }
+}
+
+/* dst[k][c] = src(k, c) for k < nk, c < 64: thread t takes column c = t. */
 template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 {
-    for (int e = threadIdx.x; e < nk * 64; e += SSD_UT) dst[e / 64][e % 64] = src(e / 64, e % 64);
+    const int c = threadIdx.x;
+#pragma unroll 1
+    for (int k0 = 0; k0 < nk; k0 += SSD_BATCH) {
+        float v[SSD_BATCH];
+#pragma unroll
+        for (int u = 0; u < SSD_BATCH; u++) v[u] = k0 + u < nk ? src(k0 + u, c) : 0.0f;
+#pragma unroll
+        for (int u = 0; u < SSD_BATCH; u++)
+            if (k0 + u < nk) dst[k0 + u][c] = v[u];
+    }
 }
 
 #define SSD_FOLD_THREADS 256

@@ -57,10 +57,10 @@ mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
     ssd_zero(acc);
     for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
         __syncthreads(); /* the previous columns are consumed */
-        ssd_stage_t(Ct, [&](int r, int k) {
+        ssd_stage_t<64>(Ct, [&](int r, int k) {
             return i0 + r < n ? u[(i0 + r) * CD + SSD_NS + m0 + k] : 0.0f;
         });
-        ssd_stage_t(Bt, [&](int r, int k) { return j0 + r < n ? u[(j0 + r) * CD + m0 + k] : 0.0f; });
+        ssd_stage_t<64>(Bt, [&](int r, int k) { return j0 + r < n ? u[(j0 + r) * CD + m0 + k] : 0.0f; });
         __syncthreads();
         ssd_mma64(acc, Ct, Bt, 0, 64);
     }
@@ -108,77 +108,70 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
 
 /* Block (head h, chunk c), SSD_UT threads; the chunk's rows in tiles of 64, each
  * tile's outputs in registers (ssd.cu's 64 x 64 tiles, columns p):
- *   Y_off = (C_i . h_prev) * exp(cs_i), the chain over m (C and h_prev staged 64
- *   columns at a time);
  *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: thread
  *   t walks column j = j0 + t of M = G * exp(seg) down the row tile (seg[i][j] the
  *   serial sum of dA[j+1..i] from +0, carried in segc from the tile above; rows
  *   before r0, which came from the state, only advance it) while Xd = x * dt is
- *   staged;
- *   y = (Y_diag + Y_off) + x * D into yb (packed tokens, di wide), rows r0 <= i < n. */
+ *   staged; then parked in Tb;
+ *   Y_off = C_i . h_prev, the chain over m (C and h_prev staged 32 columns at a
+ *   time, both in Ta);
+ *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
+ *   r0 <= i < n. */
 MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
           const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
           float *yb)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
-    __shared__ float dAs[M2Q], segc[M2Q];
+    __shared__ float dAs[M2Q], dts[M2Q], segc[M2Q];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
-    const float *dtc = dt + ch * M2Q, *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
+    const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
     const float *hp = hck + ch * SSD_HP * SSD_NS;
     const int t = threadIdx.x;
-    for (int64_t i = t; i < n; i += SSD_UT) dAs[i] = dA[ch * M2Q + i];
+    for (int64_t i = t; i < n; i += SSD_UT) {
+        dAs[i] = dA[ch * M2Q + i];
+        dts[i] = dt[ch * M2Q + i];
+    }
     for (int64_t i0 = 0; i0 < n; i0 += 64) {
         const bool out = n > r0 && i0 + 64 > r0; /* the tile has outputs */
-        float yo[8][8], acc[8][8];
+        float acc[8][8];
         ssd_zero(acc);
-        if (out) {
-            for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
-                __syncthreads(); /* the previous operands are consumed (dAs is written) */
-                ssd_stage_t(Ta, [&](int r, int k) {
-                    return i0 + r < n ? u[(i0 + r) * CD + di + SSD_NS + m0 + k] : 0.0f;
-                });
-                ssd_stage_t(Tb, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
-                __syncthreads();
-                ssd_mma64(acc, Ta, Tb, 0, 64);
-            }
-#pragma unroll
-            for (int r = 0; r < 8; r++) {
-                const int64_t i = i0 + ssd_r(t) + r;
-                const float e = i < n ? mb_exp(cs[ch * M2Q + i]) : 0.0f;
-#pragma unroll
-                for (int q = 0; q < 8; q++) yo[r][q] = acc[r][q] * e;
-            }
-            ssd_zero(acc);
-        }
         for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
             const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
             const int64_t j = j0 + t, ni = n - i0 < 64 ? n - i0 : 64;
             __syncthreads(); /* the previous operands are consumed (dAs is written) */
             if (t < nj) {
-                /* column j's rows i0 + ii, four to a float4 store (rows before j,
-                 * past n or before r0 are never read) */
+                /* column j's rows i0 + ii, G read SSD_BATCH rows ahead of their
+                 * exps and stored four rows to a float4 (rows before j, past n or
+                 * before r0 are never read) */
                 float s = j0 < i0 ? segc[j] : 0.0f;
-                for (int64_t ii0 = j0 < i0 ? 0 : (t & ~3); ii0 < ni; ii0 += 4) {
-                    float mv[4];
+                for (int ii0 = j0 < i0 ? 0 : t & -SSD_BATCH; ii0 < ni; ii0 += SSD_BATCH) {
+                    float mv[SSD_BATCH];
 #pragma unroll
-                    for (int k = 0; k < 4; k++) {
+                    for (int k = 0; k < SSD_BATCH; k++) {
                         const int64_t i = i0 + ii0 + k;
-                        mv[k] = 0.0f;
+                        mv[k] = i >= j && i >= r0 && i < n ? g[i * M2Q + j] : 0.0f;
+                    }
+#pragma unroll
+                    for (int k = 0; k < SSD_BATCH; k++) {
+                        const int64_t i = i0 + ii0 + k;
                         if (i < j || i >= n) continue;
                         if (i > j) s = s + dAs[i];
-                        if (i >= r0) mv[k] = g[i * M2Q + j] * mb_exp(s);
+                        if (i >= r0) mv[k] = mv[k] * mb_exp(s);
                     }
-                    float4 v;
-                    v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
-                    *(float4 *)&Ta[t][ii0] = v;
+#pragma unroll
+                    for (int k = 0; k < SSD_BATCH; k += 4) {
+                        float4 v;
+                        v.x = mv[k], v.y = mv[k + 1], v.z = mv[k + 2], v.w = mv[k + 3];
+                        *(float4 *)&Ta[t][ii0 + k] = v;
+                    }
                 }
                 segc[j] = s;
             }
             if (out)
                 ssd_stage(Tb, nj, [&](int k, int p) {
-                    return u[(j0 + k) * CD + h * SSD_HP + p] * dtc[j0 + k];
+                    return u[(j0 + k) * CD + h * SSD_HP + p] * dts[j0 + k];
                 });
             __syncthreads();
             if (out) {
@@ -189,16 +182,28 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
             }
         }
         if (!out) continue;
+        __syncthreads(); /* the last operands are consumed */
+        ssd_park(Tb, acc);
+        ssd_zero(acc);
+        for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
+            __syncthreads(); /* the previous columns are consumed */
+            ssd_stage_t<32>(Ta, [&](int r, int k) {
+                return i0 + r < n ? u[(i0 + r) * CD + di + SSD_NS + m0 + k] : 0.0f;
+            });
+            ssd_stage_t<32>(Ta + 32, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
+            __syncthreads();
+            ssd_mma64(acc, Ta, Ta + 32, 0, 32);
+        }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int64_t i = i0 + ssd_r(t) + r;
             if (i < r0 || i >= n) continue;
-            const float *xr = u + i * CD + h * SSD_HP;
+            const float e = mb_exp(cs[ch * M2Q + i]), *xr = u + i * CD + h * SSD_HP;
             float *yr = yb + (d[4] + i - r0) * di + h * SSD_HP;
 #pragma unroll
             for (int q = 0; q < 8; q++) {
                 const int p = ssd_cq(t, q);
-                yr[p] = (acc[r][q] + yo[r][q]) + xr[p] * D[h];
+                yr[p] = (Tb[ssd_r(t) + r][p] + acc[r][q] * e) + xr[p] * D[h];
             }
         }
     }

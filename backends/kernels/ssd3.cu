@@ -226,12 +226,13 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
 }
 
 /* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The
- * chains are the C reference's: ys = q_i . h_prev over m and G[i][j] = q_i . (k_j *
- * scale_j) over m (q, h_prev and k staged 64 columns at a time); M[i][j] = G *
- * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0, walked down
- * each column by one thread); yi = M . v over u < i ascending; y = ys * exp(cs_i) +
- * yi, y = y + (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for
- * rows r0 <= i < n. */
+ * chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m (q and k
+ * staged 64 columns at a time); M[i][j] = G * exp(seg[i][j]) for j < i (seg the
+ * serial sum of A*dt[j+1..i] from +0, walked down each column by one thread); yi =
+ * M . v over u < i ascending, then parked in Ta; ys = q_i . h_prev over m (q and
+ * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
+ * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
+ * < n. */
 MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
           const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
@@ -242,7 +243,7 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
-    const float *hp = hck + ch * SSD_HP * SSD_NS;
+    const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
     const int t = threadIdx.x;
     /* the scale of row j reads row j + 1, which exists for every j < n - 1 */
     if (t < n) {
@@ -255,27 +256,12 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
         float s = 0.0f;
         for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
     }
-    float ys[8][8], acc[8][8];
+    float acc[8][8];
     ssd_zero(acc);
     for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
         __syncthreads(); /* the previous operands are consumed */
-        ssd_stage_t(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
-        ssd_stage_t(Tb, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
-        __syncthreads();
-        ssd_mma64(acc, Ta, Tb, 0, 64);
-    }
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int64_t i = ssd_r(t) + r;
-        const float e = i < n ? mb_exp(cs[i]) : 0.0f;
-#pragma unroll
-        for (int qq = 0; qq < 8; qq++) ys[r][qq] = acc[r][qq] * e;
-    }
-    ssd_zero(acc);
-    for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
-        __syncthreads();
-        ssd_stage_t(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
-        ssd_stage_t(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
+        ssd_stage_t<64>(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
+        ssd_stage_t<64>(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
         __syncthreads();
         ssd_mma64(acc, Ta, Tb, 0, 64);
     }
@@ -293,12 +279,12 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
                 if (i <= t || i >= n) continue;
                 sv[u] = s = s + adt[i];
             }
-            float4 v;
-            v.x = sv[0], v.y = sv[1], v.z = sv[2], v.w = sv[3];
-            *(float4 *)&Ta[t][i0] = v;
+            float4 w;
+            w.x = sv[0], w.y = sv[1], w.z = sv[2], w.w = sv[3];
+            *(float4 *)&Ta[t][i0] = w;
         }
     }
-    ssd_stage(Tb, (int)n, [&](int u, int p) { return V[((e0 + u) * H + h) * SSD_HP + p]; });
+    ssd_stage(Tb, (int)n, [&](int u, int p) { return v[u * H * SSD_HP + p]; });
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 8; r++)
@@ -310,17 +296,27 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
         }
     __syncthreads();
     ssd_mma64_tri(acc, Ta, Tb, 0, (int)n, 0);
+    __syncthreads(); /* M and v are consumed */
+    ssd_park(Ta, acc);
+    ssd_zero(acc);
+    for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
+        __syncthreads(); /* the previous columns are consumed */
+        ssd_stage_t<32>(Tb, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
+        ssd_stage_t<32>(Tb + 32, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
+        __syncthreads();
+        ssd_mma64(acc, Tb, Tb + 32, 0, 32);
+    }
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const int64_t i = ssd_r(t) + r;
         if (i < r0 || i >= n) continue;
-        const int64_t ei = (e0 + i) * H + h, tok = d[4] + i - r0;
-        const float dq = D[h] + QKG[ei];
+        const int64_t tok = d[4] + i - r0;
+        const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
             const int p = ssd_cq(t, qq);
-            float y = ys[r][qq] + acc[r][qq];
-            y = y + dq * Tb[i][p];
+            float y = acc[r][qq] * e + Ta[i][p];
+            y = y + dq * v[i * H * SSD_HP + p];
             yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
         }
     }
