@@ -30,7 +30,11 @@ from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
-GEMM_BM, GEMM_BN, GEMM_THREADS = 128, 256, 256    # gemm.cu mb_gemm_k: BM, BN, THREADS
+# gemm.cu's tiled kernels, (kernel, BM, BN, threads): the narrow one takes an N it
+# covers in one tile, the residual one a call with res
+GEMM_WIDE = ("mb_gemm_k", 128, 256, 256)
+GEMM_RES = ("mb_gemm_res_k", 128, 256, 256)
+GEMM_NARROW = ("mb_gemm_n96_k", 128, 96, 96)
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # gemm.cu / rmsnorm.cu: GV_KC = RN_KC
@@ -42,12 +46,14 @@ FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, th
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
 SCAN_CHANNELS = 8    # scan1.cu: channels per block of 16 lanes each
+CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemv_k", "mb_dot_fold_k", "mb_rms_k", "mb_rms_scale_k",
-           "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k", "mb_scan1_k", "mb_residual_k",
-           "mb_pack_rows_k", "mb_first_nonfinite_k", "mb_step_guard_k", "mb_gather_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_fold_k",
+           "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
+           "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
+           "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
            "mb_fast_conv_step_k", "mb_fast_scan1_k")
 NONE = 0xFFFFFFFFFFFFFFFF  # the guard word of a session with no refused step
@@ -503,12 +509,14 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return P * M * N if P > 1 else 0
 
     def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0):
-        """Y = X . W^T (plus res, the residual, when given: GEMV paths only).
+        """Y = X . W^T, plus res (the residual, Y's layout, ld ldy; identical mode and
+        the fast GEMV) when given; guard (a session's, GEMV paths only) makes a
+        refused step's Y NaN.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
-        blocks. fast: TF32 tensor cores; up to 8 rows the split-K GEMV, up to 64
-        the chain GEMV."""
+        blocks; a narrow N a tile that covers it. fast: TF32 tensor cores; up to 8
+        rows the split-K GEMV, up to 64 the chain GEMV."""
         if M == 0 or N == 0:
             return
         if fast and M <= FAST_GEMV_MAX_M:
@@ -524,18 +532,18 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if M <= GEMV_MAX_M:
             name, threads, smem = "mb_gemv_k", GEMV_THREADS, self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
-            tail = (res if P == 1 else 0, ldy, guard)
+            tail = (res, ldy, guard)
         else:
-            assert not res
-            name, threads, smem = "mb_gemm_k", GEMM_THREADS, 0
-            grid = (_cdiv(N, GEMM_BN), _cdiv(M, GEMM_BM), P)
-            tail = ()
+            assert not guard
+            name, bm, bn, threads = (GEMM_RES if res else
+                                     GEMM_NARROW if N <= GEMM_NARROW[2] else GEMM_WIDE)
+            smem, grid, tail = 0, (_cdiv(N, bn), _cdiv(M, bm), P), (res, ldy)
         if P == 1:
             self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
                          smem=smem)
             return
         self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, parts, N, M * N,
-                     *((0, 0, 0) if tail else ()), smem=smem)
+                     *((0,) * len(tail)), smem=smem)
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
 
@@ -592,8 +600,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _m1_launch(self, s, fast, w, dm, B, L, off, M, xd, cw, h, yd, b, ragged, guard=0):
         """The launches of one Mamba-1 call on stream s: x (xd, padded (B, L, dm)) to
         y (yd), state (cw, h) updated in place, scratch b (_M1Buffers). A decode call
-        (L = 1) moves the conv window in the conv kernel and adds the residual in the
-        out_proj GEMV; guard is a session's guard word (finite.cu)."""
+        (L = 1) moves the conv window in the conv kernel; the out_proj GEMV, and the
+        identical GEMM of uniform rows, add the residual (padded and packed layouts
+        agree there); guard is a session's guard word (finite.cu)."""
         di, R = 2 * dm, _cdiv(dm, 16)
         XR = R + 32
         norm_w, in_proj, conv_w, conv_b, x_proj, dt_w, dt_b, A_log, D, out_proj = w
@@ -610,8 +619,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, pre + "conv_step_k", (self._grid(B * di),), THREADS,
                          B, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di, guard)
         else:
-            self._launch(s, pre + "conv_silu_k", (self._grid(L * di), rows), THREADS,
-                         B, off, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di)
+            self._launch(s, pre + "conv_silu_k", (self._grid(_cdiv(L, CONV_RUN) * di), rows),
+                         THREADS, B, off, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di)
             self._launch(s, "mb_conv_window_k", (self._grid(B * di),), THREADS,
                          B, off, di, b.xz, 2 * di, cw)
         self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
@@ -619,7 +628,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, pre + "scan1_k", (_cdiv(di, SCAN_CHANNELS), rows),
                      16 * SCAN_CHANNELS,
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
-        if L == 1 and M <= GEMV_MAX_M:
+        if (L == 1 and M <= GEMV_MAX_M) or not (ragged or fast or guard):
             self.gemm(s, M, dm, di, b.yi, di, out_proj, di, yd, dm, b.parts, fast, xd, guard)
             return
         self.gemm(s, M, dm, di, b.yi, di, out_proj, di, b.xn, dm, b.parts, fast)

@@ -22,7 +22,10 @@ MB_DEV float conv_taps(const float *w, float bias, const float v[TAPS])
     return F::silu(acc);
 }
 
-/* Grid (x over len * C, y over rows). */
+/* Grid (x over runs of CONV_RUN tokens x C, y over rows): an item walks one channel
+ * through a run of tokens, its last three inputs kept in registers, so each input
+ * is loaded once. */
+#define CONV_RUN 32
 template <class F>
 MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in, int64_t ldi,
                       const float *window, const float *w, const float *bias, float *u,
@@ -31,15 +34,22 @@ MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in,
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], len = off[b + 1] - o;
         const float *win = window + b * C * TAPS;
-        MB_GRID_LOOP(i, len * C) {
-            const int64_t t = i / C, c = i % C;
+        MB_GRID_LOOP(i, (len + CONV_RUN - 1) / CONV_RUN * C) {
+            const int64_t t0 = i / C * CONV_RUN, c = i % C;
+            const int64_t t1 = len - t0 < CONV_RUN ? len : t0 + CONV_RUN;
             float v[TAPS];
 #pragma unroll
-            for (int k = 0; k < TAPS; k++) {
-                const int64_t p = t - (TAPS - 1) + k;
+            for (int k = 0; k < TAPS - 1; k++) {
+                const int64_t p = t0 - (TAPS - 1) + k;
                 v[k] = p >= 0 ? in[(o + p) * ldi + c] : win[c * TAPS + TAPS + p];
             }
-            u[(o + t) * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
+#pragma unroll 4
+            for (int64_t t = t0; t < t1; t++) {
+                v[TAPS - 1] = in[(o + t) * ldi + c];
+                u[(o + t) * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
+#pragma unroll
+                for (int k = 0; k < TAPS - 1; k++) v[k] = v[k + 1];
+            }
         }
     }
 }
@@ -109,3 +119,4 @@ MB_KERNEL void mb_fast_conv_step_k(int64_t B, int64_t C, const float *in, int64_
 }
 
 #undef TAPS
+#undef CONV_RUN

@@ -11,21 +11,14 @@
 #include "numerics.h"
 #include "chain.h"
 
-#define BM 128
-#define BN 256
 #define BK 8
-#define THREADS 256            /* 8 warps, 2 (M) x 4 (N), of WM x WN outputs */
-#define WM 64
-#define WN 64
-#define TM 16                  /* a thread's outputs: TM/4 x TN/4 blocks of 4 x 4 */
+#define TM 16 /* a thread's outputs: TM/4 x TN/4 blocks of 4 x 4 */
 #define TN 8
-#define LY (WM / TM)           /* a warp's lanes: LY along M x LX along N */
-#define LX (WN / TN)
-#define QA (BM * BK / 4 / THREADS) /* float4 of X, of W per thread per tile */
-#define QB (BN * BK / 4 / THREADS)
 
-/* Grid (ceil(N/BN), ceil(M/BM), leaves); leaf z writes Y + z * ldleaf.
- * Loads: float4 f = tid + q * THREADS of a tile is row f / 2, k 4 (f % 2) + 0..3, so
+/* One tile shape of the kernels below: BM x BN outputs per block, warps of WM x WN
+ * outputs (lanes LY along M x LX along N), blockDim (BM / WM) (BN / WN) warps. Grid
+ * (ceil(N/BN), ceil(M/BM), leaves); leaf z writes Y + z * ldleaf.
+ * Loads: float4 f = tid + q * threads of a tile is row f / 2, k 4 (f % 2) + 0..3, so
  * a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
  * instead (their outputs are never stored). The next tile is loaded into registers
  * while the current one is walked, then stored transposed (k-major) into the other
@@ -36,11 +29,18 @@
  * stored, one barrier passed and its first fragments read, so one barrier per tile
  * suffices. The fmas of a k walk the thread's outputs in a serpentine (odd rows
  * backwards), so consecutive fmas share an operand register (7% faster on the H200
- * than row by row). */
-MB_KERNEL void MB_BOUNDS_MIN(THREADS, 1)
-mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
-          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf)
+ * than row by row). RES: Y = res + chain, as mb_residual_k would add the residual
+ * (uniform rows: res has Y's layout, ld ldr); a compile-time choice, since a runtime
+ * one changed the main loop's register allocation and cost 6% on the H200. */
+template <int BM, int BN, int WM, int WN, bool RES>
+MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
+                       const float *W, int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf,
+                       const float *res, int64_t ldr)
 {
+    constexpr int THREADS = 32 * (BM / WM) * (BN / WN), LY = WM / TM, LX = WN / TN;
+    static_assert(LY * LX == 32, "a warp is 32 lanes");
+    constexpr int FA = BM * BK / 4, FB = BN * BK / 4; /* float4 of X, of W per tile */
+    constexpr int QA = (FA + THREADS - 1) / THREADS, QB = (FB + THREADS - 1) / THREADS;
     __shared__ __align__(16) float As[2][BK][BM + 4];
     __shared__ __align__(16) float Bs[2][BK][BN + 4];
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -52,59 +52,70 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     Y += (int64_t)blockIdx.z * ldleaf;
     const bool vec = ((ldx | ldw) & 3) == 0 && (((uintptr_t)X | (uintptr_t)W) & 15) == 0;
 
-    const float *xp[QA], *wp[QB];
-    int ar[QA], ac[QA], br[QB], bc[QB];
+    /* a thread's float4 slots of one operand's tile: rows, k offsets, row pointers
+     * (a slot past the tile, when the threads do not divide it, loads nothing) */
+    struct slots {
+        int r, c;
+        const float *p;
+        bool on;
+    };
+    auto place = [&](slots *sl, int Q, int F, const float *A, int64_t lda, int64_t r0,
+                     int64_t R) {
 #pragma unroll
-    for (int q = 0; q < QA; q++) {
-        const int f = tid + q * THREADS;
-        ar[q] = f / (BK / 4);
-        ac[q] = f % (BK / 4) * 4;
-        xp[q] = X + (m0 + ar[q] < M ? m0 + ar[q] : 0) * ldx + k0 + ac[q];
-    }
-#pragma unroll
-    for (int q = 0; q < QB; q++) {
-        const int f = tid + q * THREADS;
-        br[q] = f / (BK / 4);
-        bc[q] = f % (BK / 4) * 4;
-        wp[q] = W + (n0 + br[q] < N ? n0 + br[q] : 0) * ldw + k0 + bc[q];
-    }
+        for (int q = 0; q < Q; q++) {
+            const int f = tid + q * THREADS;
+            sl[q].on = F % THREADS == 0 || f < F;
+            sl[q].r = sl[q].on ? f / (BK / 4) : 0;
+            sl[q].c = f % (BK / 4) * 4;
+            sl[q].p = A + (r0 + sl[q].r < R ? r0 + sl[q].r : 0) * lda + k0 + sl[q].c;
+        }
+    };
+    slots sa[QA], sb[QB];
+    place(sa, QA, FA, X, ldx, m0, M);
+    place(sb, QB, FB, W, ldw, n0, N);
     float4 pa[QA], pb[QB];
     auto load = [&](int kt) {
+        /* the first `left` of four terms (terms past K are loaded as +0, never used) */
+        auto part = [](const float *s, int left) {
+            float4 v;
+            v.x = left > 0 ? s[0] : 0.0f;
+            v.y = left > 1 ? s[1] : 0.0f;
+            v.z = left > 2 ? s[2] : 0.0f;
+            v.w = left > 3 ? s[3] : 0.0f;
+            return v;
+        };
         if (vec && kt + BK <= kl) {
 #pragma unroll
-            for (int q = 0; q < QA; q++) pa[q] = *(const float4 *)(xp[q] + kt);
+            for (int q = 0; q < QA; q++)
+                if (sa[q].on) pa[q] = *(const float4 *)(sa[q].p + kt);
 #pragma unroll
-            for (int q = 0; q < QB; q++) pb[q] = *(const float4 *)(wp[q] + kt);
+            for (int q = 0; q < QB; q++)
+                if (sb[q].on) pb[q] = *(const float4 *)(sb[q].p + kt);
         } else {
-            /* the first `left` of four terms (terms past K are loaded as +0, never used) */
-            auto part = [](const float *s, int left) {
-                float4 v;
-                v.x = left > 0 ? s[0] : 0.0f;
-                v.y = left > 1 ? s[1] : 0.0f;
-                v.z = left > 2 ? s[2] : 0.0f;
-                v.w = left > 3 ? s[3] : 0.0f;
-                return v;
-            };
 #pragma unroll
-            for (int q = 0; q < QA; q++) pa[q] = part(xp[q] + kt, kl - kt - ac[q]);
+            for (int q = 0; q < QA; q++)
+                if (sa[q].on) pa[q] = part(sa[q].p + kt, kl - kt - sa[q].c);
 #pragma unroll
-            for (int q = 0; q < QB; q++) pb[q] = part(wp[q] + kt, kl - kt - bc[q]);
+            for (int q = 0; q < QB; q++)
+                if (sb[q].on) pb[q] = part(sb[q].p + kt, kl - kt - sb[q].c);
         }
     };
     auto store = [&](int buf) {
 #pragma unroll
         for (int q = 0; q < QA; q++) {
-            As[buf][ac[q] + 0][ar[q]] = pa[q].x;
-            As[buf][ac[q] + 1][ar[q]] = pa[q].y;
-            As[buf][ac[q] + 2][ar[q]] = pa[q].z;
-            As[buf][ac[q] + 3][ar[q]] = pa[q].w;
+            if (!sa[q].on) continue;
+            As[buf][sa[q].c + 0][sa[q].r] = pa[q].x;
+            As[buf][sa[q].c + 1][sa[q].r] = pa[q].y;
+            As[buf][sa[q].c + 2][sa[q].r] = pa[q].z;
+            As[buf][sa[q].c + 3][sa[q].r] = pa[q].w;
         }
 #pragma unroll
         for (int q = 0; q < QB; q++) {
-            Bs[buf][bc[q] + 0][br[q]] = pb[q].x;
-            Bs[buf][bc[q] + 1][br[q]] = pb[q].y;
-            Bs[buf][bc[q] + 2][br[q]] = pb[q].z;
-            Bs[buf][bc[q] + 3][br[q]] = pb[q].w;
+            if (!sb[q].on) continue;
+            Bs[buf][sb[q].c + 0][sb[q].r] = pb[q].x;
+            Bs[buf][sb[q].c + 1][sb[q].r] = pb[q].y;
+            Bs[buf][sb[q].c + 2][sb[q].r] = pb[q].z;
+            Bs[buf][sb[q].c + 3][sb[q].r] = pb[q].w;
         }
     };
     float a[2][TM], b[2][TN], acc[TM][TN];
@@ -172,10 +183,38 @@ mb_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
 #pragma unroll
         for (int j = 0; j < TN; j++) {
             const int64_t n = n0 + wn + j / 4 * LX * 4 + lx * 4 + j % 4;
-            if (n < N) Y[m * ldy + n] = acc[i][j];
+            if (n < N) Y[m * ldy + n] = RES ? res[m * ldr + n] + acc[i][j] : acc[i][j];
         }
     }
 }
+
+#define MB_GEMM_ARGS                                                                  \
+    int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W, int64_t ldw, \
+        float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr
+#define MB_GEMM_PASS M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, ldr
+
+/* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes (res unused) */
+MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_k(MB_GEMM_ARGS)
+{
+    gemm_tiles<128, 256, 64, 64, false>(MB_GEMM_PASS);
+}
+
+/* the same, adding the residual res (a uniform out_proj) */
+MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_res_k(MB_GEMM_ARGS)
+{
+    gemm_tiles<128, 256, 64, 64, true>(MB_GEMM_PASS);
+}
+
+/* N up to 96 (Mamba-1's x_proj at d_model 1024, N = d_model / 16 + 32): one tile of
+ * 3 warps of 128 x 32 covers N, so that no block walks 256 columns for 96 (res
+ * unused) */
+MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
+{
+    gemm_tiles<128, 96, 128, 32, false>(MB_GEMM_PASS);
+}
+
+#undef MB_GEMM_ARGS
+#undef MB_GEMM_PASS
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X
  * (grid y), and thread (warp m, lane n) walks the chain of output (m, n) alone, so
@@ -271,18 +310,9 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
     }
 }
 
-#undef BM
-#undef BN
 #undef BK
-#undef THREADS
-#undef WM
-#undef WN
 #undef TM
 #undef TN
-#undef LY
-#undef LX
-#undef QA
-#undef QB
 #undef GV_ROWS
 #undef GV_MROWS
 #undef GV_KC
