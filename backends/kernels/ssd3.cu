@@ -59,7 +59,6 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
             const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
             const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
             float acc = 0.0f;
-#pragma unroll 16 /* the loads of 16 steps in flight: a decode step runs one token */
             for (int m = 0; m < SSD_NS; m++) acc = fmaf(c[m] + cb[m], k[m] + kb[m], acc);
             QKG[e] = acc * (dt * sig);
         }
