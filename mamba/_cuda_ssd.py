@@ -119,9 +119,10 @@ class SsdMixin:
 
     def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
         """out_proj and the residual into the padded output (NaN where a session's
-        guard refused the step); a few one-token rows add it in the GEMV's epilogue."""
+        guard refused the step); a few one-token rows add it in the GEMV's epilogue,
+        an identical call without padding in the GEMM's."""
         C = self._ssd_fn()
-        if L == 1 and M <= C.GEMV_MAX_M:
+        if (L == 1 and M <= C.GEMV_MAX_M) or (M == B * L and not (fast or guard)):
             self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
             return
         self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
