@@ -14,7 +14,7 @@ ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b
 COL_THREADS = 256  # back2.cu COL_THREADS
 
 BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
-                "mb_m2_y_k", "mb_m2_gate_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_off_k",
+                "mb_m2_y_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_off_k",
                 "mb_ssd_dchain_k", "mb_m2b_col_k", "mb_m2b_dgs_k", "mb_m2b_bc_k", "mb_m2b_alog_k")
 
 
@@ -74,9 +74,7 @@ class Back2Mixin:
                 with scope() as t:  # the gated norm, out_proj and the gate
                     g, dgn = t(M * di), t(M * di)
                     self._launch(s, "mb_m2_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G,
-                                 dt, dA, cs, hck, D, Y)
-                    self._ck(self.cu.cuMemcpyDtoDAsync(g, Y, 4 * M * di, s), "cuMemcpyDtoDAsync")
-                    self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), T, M, di, zx, NP, g)
+                                 dt, dA, cs, hck, D, zx, NP, Y, g)
                     with scope() as u:
                         gn = u(M * di)
                         self._rmsnorm(s, False, M, di, g, gnorm_w, gn, r)

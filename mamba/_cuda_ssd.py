@@ -133,7 +133,7 @@ class SsdMixin:
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k", "mb_m2_gate_k")
+                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k")
         self._enter()
         st = self.stream()
         s = st.cu
@@ -185,14 +185,13 @@ class SsdMixin:
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
-            yg = sc(M * di)
+            yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, "mb_m2_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
-                         cs, hck, D, yg)
+                         cs, hck, D, zx, NP, 0, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
                              B, I["store"], M2_Q, W, ext, buf)
-            # gate before the norm, the gated norm, out_proj, residual
-            self._launch(s, "mb_m2_gate_k", (self._grid(M * di),), C.THREADS, M, di, zx, NP, yg)
+            # the gated norm, out_proj, residual
             self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
             self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
             self._finish(st, back)

@@ -7,8 +7,8 @@
  *                  64 x 64 tile per block.
  *   mb_m2_fold_k   S = (B * exp(cs_last - cs))^T . Xd per (chunk, head); with hin,
  *                  the fold fma(exp(cs_last), hin, S) itself (the h_last report).
- *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block.
- *   mb_m2_gate_k   g = Y * silu(z).
+ *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block, and
+ *                  (or) g = Y * silu(z).
  * Every sum is the C reference's serial chain, each output's own (the products in
  * ssd.cu's register tiles). */
 #include "ssd.cu"
@@ -116,11 +116,12 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
  *   Y_off = C_i . h_prev, the chain over m (C and h_prev staged 32 columns at a
  *   time, both in Ta);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
- *   r0 <= i < n. */
+ *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
+ *   token rows, NP apart); either output may be null. */
 MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
           const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
-          float *yb)
+          const float *zx, int64_t NP, float *yb, float *yg)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
     __shared__ float dAs[M2Q], dts[M2Q], segc[M2Q];
@@ -198,22 +199,17 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
         for (int r = 0; r < 8; r++) {
             const int64_t i = i0 + ssd_r(t) + r;
             if (i < r0 || i >= n) continue;
+            const int64_t tok = d[4] + i - r0;
             const float e = mb_exp(cs[ch * M2Q + i]), *xr = u + i * CD + h * SSD_HP;
-            float *yr = yb + (d[4] + i - r0) * di + h * SSD_HP;
+            const float *zr = zx + tok * NP + h * SSD_HP;
 #pragma unroll
             for (int q = 0; q < 8; q++) {
                 const int p = ssd_cq(t, q);
-                yr[p] = (Tb[ssd_r(t) + r][p] + acc[r][q] * e) + xr[p] * D[h];
+                const float y = (Tb[ssd_r(t) + r][p] + acc[r][q] * e) + xr[p] * D[h];
+                if (yb) yb[tok * di + h * SSD_HP + p] = y;
+                if (yg) yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[p]);
             }
         }
-    }
-}
-
-/* g = Y * silu(z) over M rows of di; z is the first di columns of in_proj's rows. */
-MB_KERNEL void mb_m2_gate_k(int64_t M, int64_t di, const float *zxd, int64_t NP, float *yb)
-{
-    MB_GRID_LOOP(i, M * di) {
-        yb[i] = yb[i] * mb_silu(zxd[(i / di) * NP + i % di]);
     }
 }
 

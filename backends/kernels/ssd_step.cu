@@ -108,7 +108,7 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
  * dA[t] to the columns of the row before (the same chain), or, when ctl[1] asks,
  * walks it again. h is the state entering the chunk; a chunk that folds then moves
  * the row's heads on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves
- * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_gate_k would. */
+ * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
 MB_KERNEL void MB_BOUNDS(STEP_Q2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
@@ -158,7 +158,7 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
         const float yo = t < STEP_Q2 - SSD_HP ? Yo[tid] : step_dot<false>(Ct, hs + tid * SSD_NS, 1.0f);
         const int64_t c = c0 + tid;
         const float y = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
-        yb[b * di + c] = y * mb_silu(zx[b * NP + c]); /* mb_m2_gate_k's gate */
+        yb[b * di + c] = y * mb_silu(zx[b * NP + c]);
     }
     if (!d[5]) return;
     __syncthreads(); /* h is read */
