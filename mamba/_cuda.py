@@ -293,10 +293,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
         big = {"mb_gemv_k": self.gemv_smem, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
-            if smem > 48 * 1024:
-                self._ck(cu.cuFuncSetAttribute(
-                    self.fn[k], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem), f"cuFuncSetAttribute({k})")
+            self._allow_smem(k, smem)
         props = cu.CUmemPoolProps()
         props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -327,12 +324,22 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         number, owner = getattr(_current, "entry", None) or (LEGACY, None)
         return _Stream(self.cu, number, owner)
 
-    def _kernels(self, *names):
+    def _kernels(self, *names, smem=None):
         """Look the named kernels up in the module on first use (those outside
-        KERNELS, which __init__ loads)."""
+        KERNELS, which __init__ loads); smem: {name: bytes of dynamic shared memory}
+        of those that launch with more than the default allows."""
         for n in names:
             if n not in self.fn:
                 self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+                self._allow_smem(n, (smem or {}).get(n, 0))
+
+    def _allow_smem(self, name, smem):
+        """Let kernel `name` launch with smem bytes of dynamic shared memory."""
+        if smem > 48 * 1024:
+            cu = self.cu
+            self._ck(cu.cuFuncSetAttribute(
+                self.fn[name], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem), f"cuFuncSetAttribute({name})")
 
     def _launch(self, s, name, grid, block, *args, smem=0):
         """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct."""
@@ -600,9 +607,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _m1_launch(self, s, fast, w, dm, B, L, off, M, xd, cw, h, yd, b, ragged, guard=0):
         """The launches of one Mamba-1 call on stream s: x (xd, padded (B, L, dm)) to
         y (yd), state (cw, h) updated in place, scratch b (_M1Buffers). A decode call
-        (L = 1) moves the conv window in the conv kernel; the out_proj GEMV, and the
-        identical GEMM of uniform rows, add the residual (padded and packed layouts
-        agree there); guard is a session's guard word (finite.cu)."""
+        (L = 1) moves the conv window in the conv kernel; guard is a session's guard
+        word (finite.cu)."""
         di, R = 2 * dm, _cdiv(dm, 16)
         XR = R + 32
         norm_w, in_proj, conv_w, conv_b, x_proj, dt_w, dt_b, A_log, D, out_proj = w
@@ -628,12 +634,19 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, pre + "scan1_k", (_cdiv(di, SCAN_CHANNELS), rows),
                      16 * SCAN_CHANNELS,
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
-        if (L == 1 and M <= GEMV_MAX_M) or not (ragged or fast or guard):
-            self.gemm(s, M, dm, di, b.yi, di, out_proj, di, yd, dm, b.parts, fast, xd, guard)
+        self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
+
+    def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
+        """out_proj of every block and the residual into the padded output (NaN where
+        a session's guard refused the step): a few one-token rows add the residual in
+        the GEMV's epilogue, an identical call without padding in the GEMM's (packed
+        and padded rows agree there), others in mb_residual_k; xn: M * dm scratch."""
+        if (L == 1 and M <= GEMV_MAX_M) or (M == B * L and not (fast or guard)):
+            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
             return
-        self.gemm(s, M, dm, di, b.yi, di, out_proj, di, b.xn, dm, b.parts, fast)
+        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
-                     B, L, dm, off, xd, b.xn, yd, guard)
+                     B, L, dm, off, xd, xn, yd, guard)
 
     def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False):
         self._enter()
