@@ -323,7 +323,8 @@ class M2Session(_SsdSession):
             L(cs, "mb_m2_step_y_k", (H, B), M2_Q,
               desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, h, seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
-            be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
+            be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
+                     g)
             # the folded chunk's zeros wait for every reader of the buffers; the grid
             # is a step's, the rare fold loops
             L(cs, "mb_m2_step_close_k", (be._grid(B * (CD + H)),), THREADS,
@@ -412,7 +413,8 @@ class M3Session(_SsdSession):
               fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)
             L(cs, "mb_m3_step_y_k", (H, B), HP, ydesc, scal, H, di, NP, bq, bk, bv, bdt, bsg,
               bad, qgn, D, zx, Ec, S, h, seg, yg)
-            be._back(cs, B, 1, dm, di, B, I, yg, out_proj, xd, xn, self.y.ptr, parts, fast, g)
+            be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
+                     g)
         self._body, self.NP = body, NP
         self.exec = self._capture(False)
         self._pending_exec = None

@@ -117,18 +117,6 @@ class SsdMixin:
         self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts, fast)
         return xd, xn, zx
 
-    def _back(self, s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
-        """out_proj and the residual into the padded output (NaN where a session's
-        guard refused the step); a few one-token rows add it in the GEMV's epilogue,
-        an identical call without padding in the GEMM's."""
-        C = self._ssd_fn()
-        if (L == 1 and M <= C.GEMV_MAX_M) or (M == B * L and not (fast or guard)):
-            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
-            return
-        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
-        self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), C.THREADS,
-                     B, L, dm, I["off"], xd, xn, yd, guard)
-
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
@@ -193,7 +181,7 @@ class SsdMixin:
                              B, I["store"], M2_Q, W, ext, buf)
             # the gated norm, out_proj, residual
             self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
-            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
+            self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, xn, yd, parts, fast)
             self._finish(st, back)
         return tuple(plan.counts)
 
@@ -323,7 +311,7 @@ class SsdMixin:
             for buf, ext, W in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["store"], M3_Q, W, ext, buf)
-            self._back(s, B, L, dm, di, M, I, yg, out_proj, xd, xn, yd, parts, fast)
+            self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, xn, yd, parts, fast)
             self._finish(st, back)
         return buffered_tokens if lengths is not None else plan.counts[0]
 
