@@ -134,7 +134,8 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
         }
         seg[bh * STEP_Q2 + tid] = s;
         Mt[tid] = step_dot<false>(Ct, u + tid * CD + di, 1.0f) * mb_exp(s);
-    } else if (tid >= STEP_Q2 - SSD_HP) { /* idle rows: C . h of one column each */
+    } else if (t < STEP_Q2 - SSD_HP && tid >= STEP_Q2 - SSD_HP) {
+        /* the last SSD_HP threads are idle: C . h of one column each */
         const int p = tid - (STEP_Q2 - SSD_HP);
         Yo[p] = step_dot<false>(Ct, hs + p * SSD_NS, 1.0f);
     }
