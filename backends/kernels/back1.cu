@@ -46,6 +46,16 @@ MB_DEV float m1b_h_next(float dA, float h, float delta, float bn, float u)
     return fmaf(dA, h, (delta * bn) * u);
 }
 
+/* One step n of the three chains over n of a (token, channel): y's C . h, and the
+ * state gradient's terms w . a and dh . B, interleaved so that they overlap. */
+MB_DEV void m1b_chains3(float &acc, float &sA, float &sB, float c, float h, float w, float a,
+                        float d, float b)
+{
+    acc = fmaf(c, h, acc);
+    sA = fmaf(w, a, sA);
+    sB = fmaf(d, b, sB);
+}
+
 MB_DEV int64_t m1b_min(int64_t a, int64_t b)
 {
     return a < b ? a : b;
@@ -450,18 +460,10 @@ MB_DEV void m1b_chunk(float *sm, int64_t di, int64_t R, int64_t M, int64_t mc, i
                 for (int v = 0; v < NS / 4; v++) {
                     const float4 h4 = hr[v], w4 = wr[v], d4 = dr[v], a4 = ar[v];
                     const float4 b4 = Bv[v], c4 = Cv[v];
-                    acc = fmaf(c4.x, h4.x, acc);
-                    sA = fmaf(w4.x, a4.x, sA);
-                    sB = fmaf(d4.x, b4.x, sB);
-                    acc = fmaf(c4.y, h4.y, acc);
-                    sA = fmaf(w4.y, a4.y, sA);
-                    sB = fmaf(d4.y, b4.y, sB);
-                    acc = fmaf(c4.z, h4.z, acc);
-                    sA = fmaf(w4.z, a4.z, sA);
-                    sB = fmaf(d4.z, b4.z, sB);
-                    acc = fmaf(c4.w, h4.w, acc);
-                    sA = fmaf(w4.w, a4.w, sA);
-                    sB = fmaf(d4.w, b4.w, sB);
+                    m1b_chains3(acc, sA, sB, c4.x, h4.x, w4.x, a4.x, d4.x, b4.x);
+                    m1b_chains3(acc, sA, sB, c4.y, h4.y, w4.y, a4.y, d4.y, b4.y);
+                    m1b_chains3(acc, sA, sB, c4.z, h4.z, w4.z, a4.z, d4.z, b4.z);
+                    m1b_chains3(acc, sA, sB, c4.w, h4.w, w4.w, a4.w, d4.w, b4.w);
                 }
                 const float uu = su[iq * M1B_G + lo];
                 const float y1 = acc + uu * D[c0 + lo];
