@@ -40,8 +40,8 @@ GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # gemm.cu / rmsnorm.cu: GV_KC = RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
-TF32_TILE, TF32_THREADS = 128, 256                 # fast.cu mb_fast_gemm_k
-TF32_SMEM = 4 * 3 * 2 * TF32_TILE * (32 + 4)
+TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
+TF32_SMEM = 4 * 3 * (TF32_BM + TF32_BN) * (32 + 4)  # TB_STAGES stages of padded rows
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
@@ -509,9 +509,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return P * M * N if P > 1 else 0
 
     def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0):
-        """Y = X . W^T, plus res (the residual, Y's layout, ld ldy; identical mode and
-        the fast GEMV) when given; guard (a session's, GEMV paths only) makes a
-        refused step's Y NaN.
+        """Y = X . W^T, plus res (the residual, Y's layout, ld ldy) when given; guard
+        (a session's, GEMV paths only) makes a refused step's Y NaN.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
@@ -524,9 +523,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard)
             return
         if fast and M > GEMV_MAX_M:
-            assert not res
-            self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_TILE), _cdiv(M, TF32_TILE)),
-                         TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, smem=TF32_SMEM)
+            assert not guard
+            self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_BN), _cdiv(M, TF32_BM)),
+                         TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy,
+                         smem=TF32_SMEM)
             return
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:

@@ -11,17 +11,27 @@
 #include "ops.h"
 
 /* ---- TF32 tensor-core GEMM ------------------------------------------------------
- * Block tile 128 x 128 x 32, 8 warps as 2 (M) x 4 (N), each warp 64 x 32 outputs as
- * 4 x 4 mma.m16n8k8 tiles. X and W tiles (both K-contiguous, as mma's row.col
- * wants) stream through TB_STAGES shared-memory stages by cp.async, rows padded by
- * 4 floats so fragment loads hit distinct banks. Terms past K are zero-filled.
- * Dynamic shared memory: TB_STAGES * 2 * 128 * TB_LD floats (_cuda.py TF32_SMEM). */
-#define TB_M 128
-#define TB_N 128
+ * Block tile TB_M x TB_N x 32, TB_WM x TB_WN warps, each 64 x 64 outputs as 4 x 8
+ * mma.m16n8k8 tiles, so every fragment feeds 4 or 8 mma; two blocks share a
+ * multiprocessor, one computing while the other waits. X and W tiles (both
+ * K-contiguous, as mma's row.col wants) stream through TB_STAGES shared-memory
+ * stages by cp.async, rows padded by 4 floats. The sum over a chunk's 32 terms may
+ * take them in any order as long as X and W agree: mma's term t4 (and t4 + 4) of
+ * step s is term 8 t4 + 2 s (and + 1) of the chunk, so a thread reads its 8 terms
+ * of a row as two 128-bit loads, conflict-free with the padding. Terms past K are
+ * zero-filled. Y = X . W^T, plus res (ld ldr) when given, in one fixed order per
+ * output (no atomics: the same bits on every run).
+ * Dynamic shared memory: TB_STAGES * (TB_M + TB_N) * TB_LD floats (_cuda.py TF32_SMEM). */
+#define TB_WM 2
+#define TB_WN 2
+#define TB_MI 4 /* m16 tiles per warp */
+#define TB_NJ 8 /* n8 tiles per warp */
+#define TB_M (16 * TB_MI * TB_WM)
+#define TB_N (8 * TB_NJ * TB_WN)
 #define TB_K 32
 #define TB_LD (TB_K + 4)
 #define TB_STAGES 3
-#define TB_THREADS 256
+#define TB_THREADS (32 * TB_WM * TB_WN)
 
 #if !defined(__HIPCC__)
 /* TF32 operand, rounded to nearest (ties away) by adding half a unit of its 10-bit
@@ -29,22 +39,33 @@
  * cvt.rna.tf32.f32 costs several instructions on sm_90 (inf inputs become NaN). */
 MB_DEV uint32_t mb_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
-MB_DEV void mb_mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2])
+/* Four consecutive terms of a staged row, as TF32 operands. */
+MB_DEV void mb_tf32x4(uint32_t v[4], const float *p)
+{
+    const float4 f = *(const float4 *)p;
+    v[0] = mb_tf32(f.x);
+    v[1] = mb_tf32(f.y);
+    v[2] = mb_tf32(f.z);
+    v[3] = mb_tf32(f.w);
+}
+
+MB_DEV void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                        uint32_t b0, uint32_t b1)
 {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 MB_KERNEL void MB_BOUNDS_MIN(TB_THREADS, 2)
 mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
-               int64_t ldw, float *Y, int64_t ldy)
+               int64_t ldw, float *Y, int64_t ldy, const float *res, int64_t ldr)
 {
     extern __shared__ __align__(16) float sm[];
     float *As = sm, *Bs = sm + TB_STAGES * TB_M * TB_LD;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int wm = warp / 4, wn = warp % 4, g = lane / 4, t4 = lane % 4;
+    const int wm = warp / TB_WN, wn = warp % TB_WN, g = lane / 4, t4 = lane % 4;
     const int64_t m0 = (int64_t)blockIdx.y * TB_M, n0 = (int64_t)blockIdx.x * TB_N;
     const int mrows = M - m0 < TB_M ? (int)(M - m0) : TB_M;
     const int nrows = N - n0 < TB_N ? (int)(N - n0) : TB_N;
@@ -52,6 +73,8 @@ mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
     const bool vx = (ldx & 3) == 0 && ((uintptr_t)Xb & 15) == 0;
     const bool vw = (ldw & 3) == 0 && ((uintptr_t)Wb & 15) == 0;
     const int64_t chunks = (K + TB_K - 1) / TB_K;
+    /* a warp whose outputs all lie past M or N (an edge tile, a narrow N) only stages */
+    const bool busy = wm * 16 * TB_MI < mrows && wn * 8 * TB_NJ < nrows;
 
 #define MB_TB_ISSUE(c)                                                                \
     {                                                                                 \
@@ -65,11 +88,11 @@ mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
         if (s < chunks) MB_TB_ISSUE(s)
         mb_cp_commit();
     }
-    float acc[4][4][4];
+    float acc[TB_MI][TB_NJ][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < TB_MI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < TB_NJ; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 
@@ -78,44 +101,55 @@ mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
         __syncthreads();
         if (c + TB_STAGES - 1 < chunks) MB_TB_ISSUE(c + TB_STAGES - 1)
         mb_cp_commit();
+        if (!busy) continue;
         const int slot = (int)(c % TB_STAGES);
-        const float *a = As + (slot * TB_M + wm * 64 + g) * TB_LD + t4;
-        const float *b = Bs + (slot * TB_N + wn * 32 + g) * TB_LD + t4;
+        const float *a = As + (slot * TB_M + wm * 16 * TB_MI + g) * TB_LD + 8 * t4;
+        const float *b = Bs + (slot * TB_N + wn * 8 * TB_NJ + g) * TB_LD + 8 * t4;
 #pragma unroll
-        for (int kk = 0; kk < TB_K; kk += 8) {
-            uint32_t af[4][4], bf[4][2];
+        for (int h = 0; h < 8; h += 4) { /* terms h..h+3 of each thread's 8: steps h/2, h/2 + 1 */
+            uint32_t lo[TB_MI][4], hi[TB_MI][4]; /* rows g and g + 8 of each m16 tile */
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float *r = a + i * 16 * TB_LD + kk;
-                af[i][0] = mb_tf32(r[0]);
-                af[i][1] = mb_tf32(r[8 * TB_LD]);
-                af[i][2] = mb_tf32(r[4]);
-                af[i][3] = mb_tf32(r[8 * TB_LD + 4]);
+            for (int i = 0; i < TB_MI; i++) {
+                mb_tf32x4(lo[i], a + i * 16 * TB_LD + h);
+                mb_tf32x4(hi[i], a + (i * 16 + 8) * TB_LD + h);
             }
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float *r = b + j * 8 * TB_LD + kk;
-                bf[j][0] = mb_tf32(r[0]);
-                bf[j][1] = mb_tf32(r[4]);
+            for (int j = 0; j < TB_NJ; j++) {
+                uint32_t w[4];
+                mb_tf32x4(w, b + j * 8 * TB_LD + h);
+#pragma unroll
+                for (int s = 0; s < 4; s += 2)
+#pragma unroll
+                    for (int i = 0; i < TB_MI; i++)
+                        mb_mma_tf32(acc[i][j], lo[i][s], hi[i][s], lo[i][s + 1], hi[i][s + 1],
+                                    w[s], w[s + 1]);
             }
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) mb_mma_tf32(acc[i][j], af[i], bf[j]);
         }
     }
 #undef MB_TB_ISSUE
     mb_cp_wait<0>();
     /* Accumulator e of tile (i, j): row g (+8 for e >= 2), column 2 t4 + (e & 1). */
+    const bool pair = ((ldy | ldr) & 1) == 0 && (((uintptr_t)Y | (uintptr_t)res) & 7) == 0;
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < TB_MI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < TB_NJ; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int64_t m = m0 + wm * 64 + i * 16 + g + (e >= 2 ? 8 : 0);
-                const int64_t n = n0 + wn * 32 + j * 8 + 2 * t4 + (e & 1);
-                if (m < M && n < N) Y[m * ldy + n] = acc[i][j][e];
+            for (int e = 0; e < 4; e += 2) {
+                const int64_t m = m0 + wm * 16 * TB_MI + i * 16 + g + (e ? 8 : 0);
+                const int64_t n = n0 + wn * 8 * TB_NJ + j * 8 + 2 * t4;
+                if (m >= M || n >= N) continue;
+                float v0 = acc[i][j][e], v1 = acc[i][j][e + 1];
+                if (res) {
+                    v0 = res[m * ldr + n] + v0;
+                    if (n + 1 < N) v1 = res[m * ldr + n + 1] + v1;
+                }
+                if (pair && n + 1 < N) {
+                    *(float2 *)(Y + m * ldy + n) = make_float2(v0, v1);
+                } else {
+                    Y[m * ldy + n] = v0;
+                    if (n + 1 < N) Y[m * ldy + n + 1] = v1;
+                }
             }
 }
 #endif
@@ -215,5 +249,9 @@ mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float
 #undef TB_LD
 #undef TB_STAGES
 #undef TB_THREADS
+#undef TB_WM
+#undef TB_WN
+#undef TB_MI
+#undef TB_NJ
 #undef FG_THREADS
 #undef FN_THREADS
