@@ -307,6 +307,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._offsets = {}
         self._capture = None
         self._capturing, self._released = 0, []
+        self._readbacks, self._lock = [], threading.Lock()
         self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
 
     # ------------------------------------------------------------ driver plumbing
@@ -429,18 +430,44 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def first_nonfinite(self, a):
         """Flat index of the first NaN or +-inf of a device array, or -1 (waits for
         the current stream)."""
+        return self.first_nonfinite_later([a])()[0]
+
+    def first_nonfinite_later(self, arrays):
+        """Queue the search for the first NaN or +-inf of each device array on the
+        current stream; returns wait(), which blocks until the answers (flat
+        indices, -1 for none) are on the host, not for work queued after this call,
+        so a caller may launch its kernels before it waits."""
         self._enter()
-        s = self.stream()
-        out = ctypes.c_uint64()
+        s, cu, n = self.stream(), self.cu, len(arrays)
+        host, event, _ = slot = self._readback_slot(n)
         with _Scratch(self, s) as sc:
-            first = sc(2)
-            self._ck(self.cu.cuMemsetD8Async(first, 0xFF, 8, s.cu), "cuMemsetD8Async")
-            self._launch(s.cu, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a,
-                         first)
-            self._ck(self.cu.cuMemcpyDtoHAsync(ctypes.addressof(out), first, 8, s.cu),
-                     "cuMemcpyDtoHAsync")
-        self._sync(s)
-        return -1 if out.value == NONE else out.value
+            first = sc(2 * n)
+            self._ck(cu.cuMemsetD8Async(first, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
+            for i, a in enumerate(arrays):
+                self._launch(s.cu, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS,
+                             a.size, a, first + 8 * i)
+            self._ck(cu.cuMemcpyDtoHAsync(host, first, 8 * n, s.cu), "cuMemcpyDtoHAsync")
+            self._ck(cu.cuEventRecord(event, s.cu), "cuEventRecord")
+
+        def wait():
+            try:
+                self._ck(cu.cuEventSynchronize(event), "cuEventSynchronize")
+                return [-1 if v == NONE else v for v in (ctypes.c_uint64 * n).from_address(host)]
+            finally:
+                self._readbacks.append(slot)
+        return wait
+
+    def _readback_slot(self, n):
+        """(pinned host words, event, their count >= n), reused (a read-back into
+        pageable memory would wait for the whole stream)."""
+        with self._lock:
+            for k, slot in enumerate(self._readbacks):
+                if slot[2] >= n:
+                    return self._readbacks.pop(k)
+        words, cu = max(n, 64), self.cu
+        host = int(self._ck(cu.cuMemHostAlloc(8 * words, 0), "cuMemHostAlloc"))
+        event = self._ck(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        return host, event, words
 
     def sync_for_consumer(self, arr, consumer):
         """DLPack export: the consumer's stream waits for the stream that wrote arr."""

@@ -113,7 +113,7 @@ class Driver:
         "cuStreamWaitEvent": "hipStreamWaitEvent", "cuStreamBeginCapture": "hipStreamBeginCapture",
         "cuStreamEndCapture": "hipStreamEndCapture",
         "cuEventCreate": "hipEventCreateWithFlags", "cuEventRecord": "hipEventRecord",
-        "cuEventDestroy": "hipEventDestroy",
+        "cuEventDestroy": "hipEventDestroy", "cuEventSynchronize": "hipEventSynchronize",
         "cuGraphInstantiate": "hipGraphInstantiateWithFlags", "cuGraphUpload": "hipGraphUpload",
         "cuGraphLaunch": "hipGraphLaunch", "cuGraphExecDestroy": "hipGraphExecDestroy",
         "cuGraphDestroy": "hipGraphDestroy",

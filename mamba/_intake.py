@@ -7,18 +7,36 @@ def f32(obj, what, name, writable=False):
     return _core.intake(obj, what, name, writable)
 
 
-def _first_nonfinite(a):
-    if a.device == "cpu":
-        return _core.first_nonfinite(a)
-    from . import _backends
-    return _backends.owner_of(a).first_nonfinite(a)
+def finite_later(checks, what):
+    """Finite checks of [(array, name, base)] (base: the flat index of the array's
+    first element in the buffer called name). Host arrays are checked at once;
+    device arrays' checks are queued on their backend's stream (one read-back per
+    backend), so work launched before settle() overlaps them. settle() raises for
+    the first bad array in list order."""
+    found, queued = [None] * len(checks), {}
+    for k, (a, _, _) in enumerate(checks):
+        if a.device == "cpu":
+            found[k] = _core.first_nonfinite(a)
+        else:
+            from . import _backends
+            queued.setdefault(_backends.owner_of(a), []).append(k)
+    waits = [(ks, be.first_nonfinite_later([checks[k][0] for k in ks]))
+             for be, ks in queued.items()]
+
+    def settle():
+        while waits:
+            ks, wait = waits.pop()
+            for k, i in zip(ks, wait()):
+                found[k] = i
+        for (_, name, base), i in zip(checks, found):
+            if i >= 0:
+                raise ValueError(f"mamba {what}: {name} holds a non-finite value (NaN or "
+                                 f"inf) at flat index {base + i}")
+    return settle
 
 
 def finite(a, what, name):
-    i = _first_nonfinite(a)
-    if i >= 0:
-        raise ValueError(f"mamba {what}: {name} holds a non-finite value (NaN or inf) at "
-                         f"flat index {i}")
+    finite_later([(a, name, 0)], what)()
     return a
 
 
@@ -76,15 +94,11 @@ def lengths(lens, what, B, L):
     return vals
 
 
-def real_finite(x, what, lens):
-    """Finite check of x over the real positions of each row only (padding is never read)."""
+def real_finite_later(x, what, lens):
+    """finite_later of x over the real positions of each row only (padding is never
+    read)."""
     if lens is None:
-        return finite(x, what, "x")
+        return finite_later([(x, "x", 0)], what)
     B, L, D = x.shape
-    for b, n in enumerate(lens):
-        row = _core.view_rows(x, b * L * D, n * D)
-        i = _first_nonfinite(row)
-        if i >= 0:
-            raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
-                             f"flat index {b * L * D + i}")
-    return x
+    return finite_later([(_core.view_rows(x, b * L * D, n * D), "x", b * L * D)
+                         for b, n in enumerate(lens)], what)

@@ -47,7 +47,7 @@ class _Block:
         self._check_d_model(what)
         for a, n in zip(arrs, self._W_NAMES):
             chk.shape(a, what, n, *self._weight_shapes()[n])
-            chk.finite(a, what, n)
+        chk.finite_later([(a, n, 0) for a, n in zip(arrs, self._W_NAMES)], what)()
         self._w = tuple(arrs)
         self._dev_w = self._backend.upload_weights(self._w)
 
@@ -74,8 +74,7 @@ class _Block:
         On the CPU the weights are borrowed, so edits are seen without this call; on
         a GPU the block holds an uploaded copy that only this call replaces."""
         what = type(self).__name__ + ".refresh_weights"
-        for a, n in zip(self._w, self._W_NAMES):
-            chk.finite(a, what, n)
+        chk.finite_later([(a, n, 0) for a, n in zip(self._w, self._W_NAMES)], what)()
         self._dev_w = self._backend.upload_weights(self._w)
 
     # --------------------------------------------------------------- state
@@ -100,8 +99,9 @@ class _Block:
         for n in self._STATE._PIECES:
             a = chk.f32(getattr(state, n), what, f"state.{n}", writable=True)
             chk.shape(a, what, f"state.{n}", shapes[n])
-            chk.finite(a, what, f"state.{n}")
             arrs.append(a)
+        chk.finite_later([(a, f"state.{n}", 0) for a, n in zip(arrs, self._STATE._PIECES)],
+                         what)()
         self._check_scalars(state, what)
         return arrs
 
@@ -126,16 +126,35 @@ class _Block:
                 raise ValueError(f"mamba {what}: lengths cannot be combined with a carried "
                                  "state (each row would end at a different position)")
             lengths = chk.lengths(lengths, what, B, L)
-        chk.real_finite(x, what, lengths)
+        settle = chk.real_finite_later(x, what, lengths)
         if state is None:  # a zero state where x lives (no upload, no checks needed)
             shapes = self._state_shapes(B)
             pieces = [self._backend.zeros(shapes[n], like=x) for n in self._STATE._PIECES]
             state = self._STATE(*pieces)
-        else:
+        else:  # x is refused before the state, and before anything the caller owns changes
+            settle()
             pieces = self._state_arrays(state, what, B)
+        if x.device == "cpu":
+            settle()
         y = self._backend.empty(x.shape, like=x)
-        self._kernel(self._dev_w, x, pieces, state, y, lengths)
+        self._run_checked(settle, self._kernel, self._dev_w, x, pieces, state, y, lengths)
         return y
+
+    def _run_checked(self, settle, kernel, *args):
+        """kernel(*args), then settle() (a no-op once settled). A device call that
+        writes nothing the caller owns is launched before its input check answers,
+        so the device does not idle through the read-back; a refusal then puts the
+        block's reports back as they were."""
+        saved = dict(self.__dict__)
+        try:
+            kernel(*args)
+        finally:
+            try:
+                settle()
+            except ValueError:
+                self.__dict__.clear()
+                self.__dict__.update(saved)
+                raise
 
     def forward(self, x, state=None, *, lengths=None):
         """Run the block over a sequence: x (B, L, d_model) float32 -> y, same shape.
@@ -168,17 +187,18 @@ class _Block:
         """
         what = type(self).__name__ + ".backward"
         x = chk.tokens(x, what, self.d_model, False)
-        chk.finite(x, what, "x")
         dy = chk.f32(grad_output, what, "grad_output")
         chk.shape(dy, what, "grad_output", x.shape)
-        chk.finite(dy, what, "grad_output")
+        settle = chk.finite_later([(x, "x", 0), (dy, "grad_output", 0)], what)
         be = self._backend
         if not hasattr(be, self._KIND + "_backward"):
             raise NotImplementedError(f"mamba {what}: backward is not available on the "
                                       f"{be.name} backend yet")
+        if x.device == "cpu":
+            settle()
         gx = be.empty(x.shape, like=x)
         gw = tuple(be.empty(a.shape, like=x) for a in self._w)
-        self._backward_kernel(self._dev_w, x, dy, gx, gw)
+        self._run_checked(settle, self._backward_kernel, self._dev_w, x, dy, gx, gw)
         return dict(zip(("x",) + self._W_NAMES, (gx,) + gw))
 
     def decode_session(self, state):

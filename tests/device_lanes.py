@@ -124,3 +124,33 @@ def frees_during_capture(be, name, monkeypatch):
     assert len(dropped) == 4, "every array was dropped during a capture"
     assert not be._released, "frees held back during a capture were run after it"
     assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} frees in capture")
+
+
+def refusals_after_launch(be, name):
+    """A device call that writes nothing the caller owns is launched before its
+    finite check answers: a refused one still raises with the first bad index,
+    leaves the block's reports as the last accepted call left them, and a ragged
+    call reads no padding; a call with a state is refused before it runs."""
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    L, D = BLOCKS[name]["length"], cpu.d_model
+    x = rand((2, L, D), 40)
+    gpu.forward(be.copy(x))
+    before = reports_of(gpu, name, "before")
+    i = (L + 3) * D + 5  # row 1, token 3
+    with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {i}$"):
+        gpu.forward(be.copy(poisoned(x, i)))
+    assert reports_of(gpu, name, "before") == before, "a refused call changed the reports"
+    with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {i}$"):
+        gpu.forward(be.copy(poisoned(x, i)), lengths=[L, 4])
+    pad = poisoned(x, (L + 5) * D)  # row 1's padding past length 4
+    assert host(gpu.forward(be.copy(pad), lengths=[L, 4])) == \
+        raw(cpu.forward(pad, lengths=[L, 4]))
+    with pytest.raises(ValueError, match=f"grad_output holds a non-finite value .* flat "
+                                         f"index {i}$"):
+        gpu.backward(be.copy(x), be.copy(poisoned(x, i)))
+    st = gpu.allocate_state(2)
+    gpu.forward(be.copy(time_slice(x, 0, 2)), st)
+    kept = state_of(st)
+    with pytest.raises(ValueError, match="x holds a non-finite value"):
+        gpu.forward(be.copy(poisoned(time_slice(x, 2, 4), 7)), st)
+    assert state_of(st) == kept, "a refused call changed the state"

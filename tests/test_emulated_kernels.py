@@ -19,7 +19,7 @@ from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (REPORTS, SSD_SESSIONS, assert_same, frees_during_capture, host,
-                          poisoned, ssd_session_graph, state_of)
+                          poisoned, refusals_after_launch, ssd_session_graph, state_of)
 
 FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
 
@@ -185,6 +185,11 @@ def test_ssd_session_graph(be, name, B):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_frees_during_capture(be, name, monkeypatch):
     frees_during_capture(be, name, monkeypatch)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_refusals_after_launch(be, name):
+    refusals_after_launch(be, name)
 
 
 def test_m3_session_input_states(be):

@@ -17,7 +17,8 @@ import mamba
 from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
-from device_lanes import SSD_SESSIONS, frees_during_capture, ssd_session_graph
+from device_lanes import (SSD_SESSIONS, frees_during_capture, refusals_after_launch,
+                          ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -192,6 +193,12 @@ def test_ssd_session_graph(be, name, B):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_frees_during_capture(be, name, monkeypatch):
     frees_during_capture(be, name, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_refusals_after_launch(be, name):
+    refusals_after_launch(be, name)
 
 
 @pytest.mark.gpu

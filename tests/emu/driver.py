@@ -206,6 +206,9 @@ class Driver:
     def cuEventRecord(self, event, stream):
         return OK
 
+    def cuEventSynchronize(self, event):
+        return self._unsafe(lambda: OK)
+
     def cuStreamWaitEvent(self, stream, event, flags):
         return OK
 
