@@ -281,7 +281,7 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
             const float *x = Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
             if (kn >= GV_KC)
-                acc = mb_chain_tile<GV_KC, false>(acc, x, w);
+                acc = mb_chain_tile<false>(acc, x, w, GV_KC);
             else
                 for (int kk = 0; kk < kn; kk++) acc = fmaf(x[kk], w[kk], acc);
         }

@@ -1,10 +1,12 @@
 /* RMSNorm rows (SPEC 5 step 1), the GPU twin of reference/norm.c, in two kernels:
  * mb_rms_k gives each row's r = rsqrt(dot(x, x) / n + eps), mb_rms_scale_k writes
  * (x * r) * w over the whole grid. A serial chain cannot be split, so rows run side
- * by side instead: a block takes RN_ROWS rows, lane r of warp 0 walks dot v1 of row
- * r (leaves and mb_dot's tree past 8192), and the rows stream through a ring of
- * shared-memory stages (cp.async), issued by the other warps, so the chains never
- * wait on global memory.
+ * by side instead: a block takes RN_ROWS rows and lane r of warp 0 walks dot v1 of
+ * row r. Rows that fit the block's shared memory whole in one leaf (a decode
+ * step's few rows) are copied at once and walked without a barrier; longer rows
+ * stream through a ring of shared-memory stages (cp.async), issued by the other
+ * warps, so the chains never wait on global memory, and past 8192 terms join their
+ * leaves with mb_dot's tree.
  * Dynamic shared memory: RN_STAGES * RN_ROWS * RN_LD floats (_cuda.py norm_smem). */
 #include "vendor.h"
 #include "numerics.h"
@@ -17,57 +19,95 @@
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
+MB_DEV void rms_store(float *r, int64_t m, int64_t n, float ss)
+{
+    r[m] = mb_rsqrt(ss / (float)n + MB_EPS);
+}
+
+/* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
+ * rows of a quarter-warp's float4 reads fall in distinct banks) */
+MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
+                      int ld, float *sm, float *r)
+{
+    const int tid = threadIdx.x;
+    mb_stage_rows(sm, ld, xb, ldx, rows, (int)(n + 3) / 4 * 4, 0, n, vec, tid, RN_THREADS);
+    mb_cp_commit();
+    mb_cp_wait<0>();
+    __syncthreads();
+    if (tid < rows) {
+        const float *t = sm + tid * ld;
+        const int n16 = (int)n / 16 * 16;
+        float acc = mb_chain_tile<true>(0.0f, t, t, n16);
+        for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
+        rms_store(r, m0 + tid, n, acc);
+    }
+    __syncthreads();
+}
+
+/* rows [m0, m0 + rows) through the ring; TREE: n spans several leaves */
+template <bool TREE>
+MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
+                     float *ring, float *r)
+{
+    const int tid = threadIdx.x;
+    const int chunks = (int)((n + RN_KC - 1) / RN_KC);
+    for (int s = 0; s < RN_STAGES - 1; s++) {
+        if (s < chunks && tid >= 32)
+            mb_stage_rows(ring + s * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows, RN_KC,
+                          (int64_t)s * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
+        mb_cp_commit();
+    }
+    float acc = 0.0f;
+    mb_dot_tree tree;
+    if (TREE) tree.top = 0;
+    for (int c = 0; c < chunks; c++) {
+        mb_cp_wait<RN_STAGES - 2>();
+        __syncthreads();
+        const int nc = c + RN_STAGES - 1;
+        if (nc < chunks && tid >= 32)
+            mb_stage_rows(ring + (nc % RN_STAGES) * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows,
+                          RN_KC, (int64_t)nc * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
+        mb_cp_commit();
+        if (tid < rows) {
+            const int64_t k = (int64_t)c * RN_KC;
+            if (TREE && k > 0 && k % MB_DOT_LEAF == 0) {
+                mb_dot_tree_push(&tree, acc);
+                acc = 0.0f;
+            }
+            const float *t = ring + ((c % RN_STAGES) * RN_ROWS + tid) * RN_LD;
+            const int64_t kn = n - k;
+            if (kn >= RN_KC)
+                acc = mb_chain_tile<true>(acc, t, t, RN_KC);
+            else
+                for (int kk = 0; kk < kn; kk++) acc = fmaf(t[kk], t[kk], acc);
+        }
+    }
+    mb_cp_wait<0>();
+    if (tid < rows) {
+        if (TREE) {
+            mb_dot_tree_push(&tree, acc);
+            acc = mb_dot_tree_sum(&tree);
+        }
+        rms_store(r, m0 + tid, n, acc);
+    }
+    __syncthreads();
+}
+
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r)
 {
     extern __shared__ __align__(16) float ring[];
-    const int tid = threadIdx.x;
-    const int chunks = (int)((n + RN_KC - 1) / RN_KC);
+    const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
         const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
-        for (int s = 0; s < RN_STAGES - 1; s++) {
-            if (s < chunks && tid >= 32)
-                mb_stage_rows(ring + s * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows, RN_KC,
-                              (int64_t)s * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
-            mb_cp_commit();
-        }
-        float acc = 0.0f;
-        mb_dot_tree tree;
-        tree.top = 0;
-        for (int c = 0; c < chunks; c++) {
-            mb_cp_wait<RN_STAGES - 2>();
-            __syncthreads();
-            const int nc = c + RN_STAGES - 1;
-            if (nc < chunks && tid >= 32)
-                mb_stage_rows(ring + (nc % RN_STAGES) * RN_ROWS * RN_LD, RN_LD, xb, ldx, rows,
-                              RN_KC, (int64_t)nc * RN_KC, n, vec, tid - 32, RN_THREADS - 32);
-            mb_cp_commit();
-            if (tid < rows) {
-                const int64_t k = (int64_t)c * RN_KC;
-                if (k > 0 && k % MB_DOT_LEAF == 0) {
-                    mb_dot_tree_push(&tree, acc);
-                    acc = 0.0f;
-                }
-                const float *t = ring + ((c % RN_STAGES) * RN_ROWS + tid) * RN_LD;
-                const int64_t kn = n - k;
-                if (kn >= RN_KC)
-                    acc = mb_chain_tile<RN_KC, true>(acc, t, t);
-                else
-                    for (int kk = 0; kk < kn; kk++) acc = fmaf(t[kk], t[kk], acc);
-            }
-        }
-        mb_cp_wait<0>();
-        if (tid < rows) {
-            float ss = acc;
-            if (n > MB_DOT_LEAF) {
-                mb_dot_tree_push(&tree, acc);
-                ss = mb_dot_tree_sum(&tree);
-            }
-            r[m0 + tid] = mb_rsqrt(ss / (float)n + MB_EPS);
-        }
-        __syncthreads();
+        if (n <= MB_DOT_LEAF && rows * ld <= RN_STAGES * RN_ROWS * RN_LD)
+            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r);
+        else if (n > MB_DOT_LEAF)
+            rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
+        else
+            rms_ring<false>(m0, rows, n, xb, ldx, vec, ring, r);
     }
 }
 
