@@ -659,9 +659,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
         """out_proj of every block and the residual into the padded output (NaN where
         a session's guard refused the step): a few one-token rows add the residual in
-        the GEMV's epilogue, an identical call without padding in the GEMM's (packed
-        and padded rows agree there), others in mb_residual_k; xn: M * dm scratch."""
-        if (L == 1 and M <= GEMV_MAX_M) or (M == B * L and not (fast or guard)):
+        the GEMV's epilogue, a call without padding or guard in the GEMM's (packed and
+        padded rows agree there), others in mb_residual_k; xn: M * dm scratch."""
+        if (L == 1 and M <= GEMV_MAX_M) or (M == B * L and not guard):
             self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
             return
         self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)

@@ -195,19 +195,39 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
             __syncthreads();
             ssd_mma64(acc, Ta, Ta + 32, 0, 32);
         }
+        /* Y_diag + Y_off * exp(cs_i) parked in place, then the rows a float4 a thread
+         * at a time (coalesced x, z and stores), + x * D and the gate */
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const int64_t i = i0 + ssd_r(t) + r;
-            if (i < r0 || i >= n) continue;
-            const int64_t tok = d[4] + i - r0;
-            const float e = mb_exp(cs[ch * M2Q + i]), *xr = u + i * CD + h * SSD_HP;
-            const float *zr = zx + tok * NP + h * SSD_HP;
+            const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
 #pragma unroll
             for (int q = 0; q < 8; q++) {
-                const int p = ssd_cq(t, q);
-                const float y = (Tb[ssd_r(t) + r][p] + acc[r][q] * e) + xr[p] * D[h];
-                if (yb) yb[tok * di + h * SSD_HP + p] = y;
-                if (yg) yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[p]);
+                float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
+                *y = *y + acc[r][q] * e;
+            }
+        }
+        __syncthreads();
+        for (int k = t; k < 64 * (SSD_HP / 4); k += SSD_UT) {
+            const int64_t i = i0 + k / (SSD_HP / 4);
+            const int p = 4 * (k % (SSD_HP / 4));
+            if (i < r0 || i >= n) continue;
+            const int64_t tok = d[4] + i - r0;
+            const float4 v = *(const float4 *)&Tb[i - i0][p];
+            const float4 xv = *(const float4 *)(u + i * CD + h * SSD_HP + p);
+            float4 y;
+            y.x = v.x + xv.x * D[h], y.y = v.y + xv.y * D[h];
+            y.z = v.z + xv.z * D[h], y.w = v.w + xv.w * D[h];
+            if (yb) *(float4 *)(yb + tok * di + h * SSD_HP + p) = y;
+            if (yg) {
+                const float *zr = zx + tok * NP + h * SSD_HP + p;
+                float4 z;
+                if ((NP & 3) == 0) /* rows 16-byte aligned */
+                    z = *(const float4 *)zr;
+                else
+                    z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
+                y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
+                y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
+                *(float4 *)(yg + tok * di + h * SSD_HP + p) = y;
             }
         }
     }
