@@ -22,6 +22,8 @@ from . import _core, _cuda_ssd
 from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
 from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
+STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
+
 
 class _GraphSession:
     """What every block's session shares: the fixed x and y buffers, the guard, the
@@ -302,7 +304,8 @@ class M2Session(_SsdSession):
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
         unew, yg = a(B * CD), a(B * di)
-        self.dt, dA, self.cs, seg = (a(B * H * M2_Q) for _ in range(4))
+        self.dt, dA, self.cs = (a(B * H * M2_Q) for _ in range(3))
+        seg = a(2 * B * H * M2_Q)  # the rows of even and odd steps
         S, Ec = a(B * H * HP * NS), a(B * H)
         scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
         conv = "mb_fast_conv_step_k" if fast else "mb_conv_step_k"
@@ -320,7 +323,7 @@ class M2Session(_SsdSession):
               self.dt, dA, self.cs, scal, desc, self.rep)
             L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
               desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
-            L(cs, "mb_m2_step_y_k", (H, B), M2_Q,
+            L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q + HP // STEP_PS,
               desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, h, seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
@@ -411,8 +414,8 @@ class M3Session(_SsdSession):
               sk, sv, sdt, ssg, sad)
             L(cs, "mb_m3_fold_k", (B, H), FOLD_THREADS,
               fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)
-            L(cs, "mb_m3_step_y_k", (H, B), HP, ydesc, scal, H, di, NP, bq, bk, bv, bdt, bsg,
-              bad, qgn, D, zx, Ec, S, h, seg, yg)
+            L(cs, "mb_m3_step_y_k", (H, B), M3_Q + HP, ydesc, scal, H, di, NP, bq, bk, bv, bdt,
+              bsg, bad, qgn, D, zx, Ec, S, h, seg, yg)
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
                      g)
         self._body, self.NP = body, NP

@@ -11,28 +11,32 @@
 #include "ssd3.cu"
 
 #define STEP_Q2 256 /* Mamba-2's chunk (ssd2.cu M2Q) */
-#define STEP_TILE 64 /* rows of the products staged at a time */
+#define STEP_PS 2 /* blocks per head of mb_m2_step_y_k */
+#define STEP_PC (SSD_HP / STEP_PS) /* their columns */
+#define STEP_Y2 (STEP_Q2 + STEP_PC) /* their threads: one per row j, then per column */
 
-/* dot v1 of a (shared) and b (global, 16-byte aligned; each b[m] times sc when
- * SCALED) over SSD_NS: the serial chain, its operands loaded eight float4 at a
- * time so that the loads overlap */
-template <bool SCALED>
-MB_DEV float step_dot(const float *a, const float *b, float sc)
+/* a row of SSD_NS floats (global, 16-byte aligned) into registers: the loads issue
+ * together, so that the chain after them waits on global memory once */
+MB_DEV void step_row(float4 (&v)[SSD_NS / 4], const float *b)
 {
     const float4 *b4 = (const float4 *)b;
+#pragma unroll
+    for (int k = 0; k < SSD_NS / 4; k++) v[k] = b4[k];
+}
+
+/* dot v1 of a (shared) and a row v of step_row (each v[m] times sc when SCALED):
+ * the serial chain */
+template <bool SCALED>
+MB_DEV float step_dot(const float *a, const float4 (&v)[SSD_NS / 4], float sc)
+{
     float g = 0.0f;
-    for (int m0 = 0; m0 < SSD_NS / 4; m0 += 8) {
-        float4 v[8];
 #pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = b4[m0 + k];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const float *am = a + 4 * (m0 + k);
-            g = fmaf(am[0], SCALED ? v[k].x * sc : v[k].x, g);
-            g = fmaf(am[1], SCALED ? v[k].y * sc : v[k].y, g);
-            g = fmaf(am[2], SCALED ? v[k].z * sc : v[k].z, g);
-            g = fmaf(am[3], SCALED ? v[k].w * sc : v[k].w, g);
-        }
+    for (int k = 0; k < SSD_NS / 4; k++) {
+        const float *am = a + 4 * k;
+        g = fmaf(am[0], SCALED ? v[k].x * sc : v[k].x, g);
+        g = fmaf(am[1], SCALED ? v[k].y * sc : v[k].y, g);
+        g = fmaf(am[2], SCALED ? v[k].z * sc : v[k].z, g);
+        g = fmaf(am[3], SCALED ? v[k].w * sc : v[k].w, g);
     }
     return g;
 }
@@ -102,69 +106,78 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
 }
 
 /* Mamba-2: the step's output row, mb_m2_y_k's row i = t of the open chunk (G, M,
- * Y_diag, Y_off and the sum in its expressions and orders) per (head, row) block
- * of STEP_Q2 threads, thread j owning column j. seg[t][j], the serial sum of
- * dA[j+1..t] from +0, is carried between steps in seg (B * H, 256): each step adds
- * dA[t] to the columns of the row before (the same chain), or, when ctl[1] asks,
- * walks it again. h is the state entering the chunk; a chunk that folds then moves
- * the row's heads on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves
+ * Y_diag, Y_off and the sum in its expressions and orders), a head's columns split
+ * over STEP_PS blocks (grid (H, B, STEP_PS)) so that a batch-1 step spreads over
+ * the SMs. Thread j <= t computes column j of M (each block all of them), thread
+ * STEP_Q2 + p the C . h of the block's column p, each from its row held in
+ * registers, loaded with the staging of the block's columns of u (rows j <= t) and
+ * of dt, so that the step waits on global memory once; thread p then walks Y_diag's
+ * chain. seg[t][j], the serial sum of dA[j+1..t] from +0, is carried between steps
+ * in seg (2, B * H, 256), the row of step t in half t % 2 (the blocks of a head
+ * read the row before while they write theirs): each step adds dA[t] to the
+ * columns of the row before (the same chain), or, when ctl[1] asks, walks it
+ * again. h is the state entering the chunk; a chunk that folds then moves the
+ * block's columns of h on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves
  * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
-MB_KERNEL void MB_BOUNDS(STEP_Q2)
+MB_KERNEL void MB_BOUNDS(STEP_Y2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
                const float *E, const float *S, const float *zx, int64_t NP, float *h, float *seg,
                float *yb)
 {
-    __shared__ float Mt[STEP_Q2], Ct[SSD_NS], Yo[SSD_HP];
-    __shared__ float Xt[STEP_TILE][SSD_HP];
+    __shared__ __align__(16) float Xs[STEP_Q2][STEP_PC];
+    __shared__ __align__(16) float Ct[SSD_NS];
+    __shared__ float Mt[STEP_Q2], dts[STEP_Q2], Yo[STEP_PC];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
     const int64_t e0 = d[1], n = d[2], t = d[3];
     if (t >= n) return; /* refused: no row, the columns kept */
-    const int tid = threadIdx.x;
-    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2, *dtc = dt + bh * STEP_Q2;
-    for (int m = tid; m < SSD_NS; m += STEP_Q2) Ct[m] = u[t * CD + di + SSD_NS + m];
-    __syncthreads();
+    const int tid = threadIdx.x, p0 = blockIdx.z * STEP_PC;
+    const int64_t c0 = hh * SSD_HP + p0; /* the block's first column of u */
+    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
     float *hs = h + bh * SSD_HP * SSD_NS;
+    for (int m = tid; m < SSD_NS / 4; m += STEP_Y2)
+        mb_cp_async16(Ct + 4 * m, u + t * CD + di + SSD_NS + 4 * m, 16);
+    for (int e = tid; e < (t + 1) * (STEP_PC / 4); e += STEP_Y2) {
+        const int j = e / (STEP_PC / 4), c = e % (STEP_PC / 4) * 4;
+        mb_cp_async16(&Xs[j][c], u + j * CD + c0 + c, 16);
+    }
+    mb_cp_commit();
+    float4 row[SSD_NS / 4];
+    float s = 0.0f;
     if (tid <= t) {
-        float s = 0.0f;
+        dts[tid] = dt[bh * STEP_Q2 + tid];
+        step_row(row, u + tid * CD + di);
+        const int64_t half = (int64_t)gridDim.y * H * STEP_Q2, at = bh * STEP_Q2 + tid;
         if (ctl[1]) {
             for (int64_t i = tid + 1; i <= t; i++) s = s + dAc[i];
         } else if (tid < t) {
-            s = seg[bh * STEP_Q2 + tid] + dAc[t];
+            s = seg[(~t & 1) * half + at] + dAc[t];
         }
-        seg[bh * STEP_Q2 + tid] = s;
-        Mt[tid] = step_dot<false>(Ct, u + tid * CD + di, 1.0f) * mb_exp(s);
-    } else if (t < STEP_Q2 - SSD_HP && tid >= STEP_Q2 - SSD_HP) {
-        /* the last SSD_HP threads are idle: C . h of one column each */
-        const int p = tid - (STEP_Q2 - SSD_HP);
-        Yo[p] = step_dot<false>(Ct, hs + p * SSD_NS, 1.0f);
+        if (blockIdx.z == 0) seg[(t & 1) * half + at] = s;
+    } else if (tid >= STEP_Q2) {
+        step_row(row, hs + (p0 + tid - STEP_Q2) * SSD_NS);
     }
-    /* Y_diag's chains over the rows j <= t, the products u * dt staged a tile of rows
-     * at a time by every thread */
-    const int64_t c0 = hh * SSD_HP;
-    float yd = 0.0f;
-    for (int64_t j0 = 0; j0 <= t; j0 += STEP_TILE) {
-        const int64_t nj = t + 1 - j0 < STEP_TILE ? t + 1 - j0 : STEP_TILE;
-        __syncthreads();
-#pragma unroll /* a fixed count: the loads issue together */
-        for (int i = 0; i < STEP_TILE * SSD_HP / STEP_Q2; i++) {
-            const int e = tid + i * STEP_Q2, r = e / SSD_HP, c = e % SSD_HP;
-            if (r < nj) Xt[r][c] = u[(j0 + r) * CD + c0 + c] * dtc[j0 + r];
-        }
-        __syncthreads();
-        if (tid < SSD_HP)
-            for (int64_t r = 0; r < nj; r++) yd = fmaf(Mt[j0 + r], Xt[r][tid], yd);
-    }
-    if (tid < SSD_HP) {
-        const float yo = t < STEP_Q2 - SSD_HP ? Yo[tid] : step_dot<false>(Ct, hs + tid * SSD_NS, 1.0f);
+    mb_cp_wait<0>();
+    __syncthreads();
+    if (tid <= t)
+        Mt[tid] = step_dot<false>(Ct, row, 1.0f) * mb_exp(s);
+    else if (tid >= STEP_Q2)
+        Yo[tid - STEP_Q2] = step_dot<false>(Ct, row, 1.0f);
+    __syncthreads();
+    if (tid < STEP_PC) {
+        float yd = 0.0f;
+#pragma unroll 8 /* the shared-memory reads run ahead of the chain */
+        for (int j = 0; j <= t; j++) yd = fmaf(Mt[j], Xs[j][tid] * dts[j], yd);
         const int64_t c = c0 + tid;
-        const float y = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + u[t * CD + c] * D[hh];
+        const float y = (yd + Yo[tid] * mb_exp(cs[bh * STEP_Q2 + t])) + Xs[t][tid] * D[hh];
         yb[b * di + c] = y * mb_silu(zx[b * NP + c]);
     }
     if (!d[5]) return;
-    __syncthreads(); /* h is read */
-    for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Q2)
-        hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
+    /* h was read before the barrier above */
+    for (int e = tid; e < STEP_PC * SSD_NS; e += STEP_Y2) {
+        const int64_t i = p0 * SSD_NS + e;
+        hs[i] = fmaf(E[bh], hs[i], S[bh * SSD_HP * SSD_NS + i]);
+    }
 }
 
 /* Mamba-2, the step's last kernel: a chunk that folded leaves zeros in the buffers
@@ -280,45 +293,58 @@ MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, cons
     }
 }
 
-#define STEP_Y3 64 /* threads of mb_m3_step_y_k: one per column j, then per p */
+#define STEP_Y3 (M3Q + SSD_HP) /* threads of mb_m3_step_y_k: one per column j, then per p */
 
 /* Mamba-3: the step's output row, mb_m3_y_k's row i = w of the chunk holding the
  * new token (G, M, ys, yi, the D and qk_gamma term and the gate in its expressions
- * and orders) per (head, row) block. seg[w][j] of the columns j < w (the serial sum
- * of A*dt[j+1..w] from +0) and the cumsum cs_w are carried between steps in seg
- * (B * H, 65; cs in the last slot): each step adds A*dt[w] to the row before's,
- * or walks them again when the plan says whole (or a chunk starts). At a seal the
- * block first moves its heads' state on, h = fma(E, h, S) as mb_ssd_chain_k does,
- * h then being the state entering the chunk. qg: the new token's qk_gamma (B, H). */
+ * and orders) per (head, row) block. Thread j < w computes column j of M, thread
+ * M3Q + p the ys of column p, each from its row (of K, of h) held in registers,
+ * loaded with the staging of q and of V's rows u <= w, so that the step waits on
+ * global memory once; thread p then walks yi's chain. seg[w][j] of the columns j <
+ * w (the serial sum of A*dt[j+1..w] from +0) and the cumsum cs_w are carried
+ * between steps in seg (B * H, 65; cs in the last slot): each step adds A*dt[w] to
+ * the row before's, or walks them again when the plan says whole (or a chunk
+ * starts). At a seal the block first moves its heads' state on, h = fma(E, h, S)
+ * as mb_ssd_chain_k does, h then being the state entering the chunk. qg: the new
+ * token's qk_gamma (B, H). */
 MB_KERNEL void MB_BOUNDS(STEP_Y3)
 mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di, int64_t dip,
                const float *Q, const float *K, const float *V, const float *DT, const float *SIG,
                const float *ADT, const float *qg, const float *D, const float *zx,
                const float *E, const float *S, float *h, float *seg, float *yg)
 {
-    __shared__ float Mt[M3Q + 1], qs[SSD_NS], Vt[M3Q][SSD_HP];
+    __shared__ __align__(16) float Vt[M3Q][SSD_HP];
+    __shared__ __align__(16) float qs[SSD_NS];
+    __shared__ float Mt[M3Q + 1], Ys[SSD_HP];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = ydesc + b * MB_DESC;
     const int64_t e0 = d[1], n = d[2], w = d[3];
     if (w >= n) return; /* refused: no row, the columns kept */
     const int tid = threadIdx.x;
     const bool whole = scal[3] != 0;
     float *hs = h + bh * SSD_HP * SSD_NS, *sg = seg + bh * (M3Q + 1);
-    if (scal[0])
+    if (scal[0]) {
         for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Y3)
             hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
+        __syncthreads(); /* h is whole before its rows are read */
+    }
     const float *q = Q + ((e0 + w) * H + hh) * SSD_NS;
-    for (int m = tid; m < SSD_NS; m += STEP_Y3) qs[m] = q[m];
-    __syncthreads();
+    for (int m = tid; m < SSD_NS / 4; m += STEP_Y3) mb_cp_async16(qs + 4 * m, q + 4 * m, 16);
+    for (int e = tid; e < (w + 1) * (SSD_HP / 4); e += STEP_Y3) {
+        const int u = e / (SSD_HP / 4), c = e % (SSD_HP / 4) * 4;
+        mb_cp_async16(&Vt[u][c], V + ((e0 + u) * H + hh) * SSD_HP + c, 16);
+    }
+    mb_cp_commit();
     const float *adt = ADT + e0 * H + hh; /* row u at adt[u * H] */
+    float4 row[SSD_NS / 4];
+    float s = 0.0f, sc = 0.0f;
     if (tid < w) {
-        float s = 0.0f;
+        step_row(row, K + ((e0 + tid) * H + hh) * SSD_NS);
+        sc = m3_scale(DT, SIG, H, (e0 + tid) * H + hh, true);
         if (whole || tid == w - 1)
             for (int64_t i = tid + 1; i <= w; i++) s = s + adt[i * H];
         else
             s = sg[tid] + adt[w * H];
         sg[tid] = s;
-        const float sc = m3_scale(DT, SIG, H, (e0 + tid) * H + hh, true);
-        Mt[tid] = step_dot<true>(qs, K + ((e0 + tid) * H + hh) * SSD_NS, sc) * mb_exp(s);
     } else if (tid == w) {
         float c = 0.0f;
         if (whole || w == 0)
@@ -327,21 +353,29 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
             c = sg[M3Q] + adt[w * H];
         sg[M3Q] = c;
         Mt[M3Q] = mb_exp(c);
+    } else if (tid >= M3Q) {
+        step_row(row, hs + (tid - M3Q) * SSD_NS);
     }
-    const int p = tid;
-    const float *v = V + (e0 * H + hh) * SSD_HP + p; /* row u at v[u * H * HP] */
-#pragma unroll /* a fixed count: the loads issue together */
-    for (int u = 0; u < M3Q; u++)
-        if (u < w) Vt[u][p] = v[u * H * SSD_HP];
+    mb_cp_wait<0>();
     __syncthreads();
-    const float ys = step_dot<false>(qs, hs + p * SSD_NS, 1.0f);
-    float yi = 0.0f;
-    for (int64_t u = 0; u < w; u++) yi = fmaf(Mt[u], Vt[u][p], yi);
-    float y = ys * Mt[M3Q] + yi;
-    y = y + (D[hh] + qg[bh]) * v[w * H * SSD_HP];
-    yg[b * di + hh * SSD_HP + p] = y * mb_silu(zx[b * dip + hh * SSD_HP + p]);
+    if (tid < w)
+        Mt[tid] = step_dot<true>(qs, row, sc) * mb_exp(s);
+    else if (tid >= M3Q)
+        Ys[tid - M3Q] = step_dot<false>(qs, row, 1.0f);
+    __syncthreads();
+    if (tid < SSD_HP) {
+        const int p = tid;
+        float yi = 0.0f;
+#pragma unroll 8 /* the shared-memory reads run ahead of the chain */
+        for (int u = 0; u < w; u++) yi = fmaf(Mt[u], Vt[u][p], yi);
+        float y = Ys[p] * Mt[M3Q] + yi;
+        y = y + (D[hh] + qg[bh]) * Vt[w][p];
+        yg[b * di + hh * SSD_HP + p] = y * mb_silu(zx[b * dip + hh * SSD_HP + p]);
+    }
 }
 
 #undef STEP_Y3
 #undef STEP_Q2
-#undef STEP_TILE
+#undef STEP_PS
+#undef STEP_PC
+#undef STEP_Y2
