@@ -23,6 +23,7 @@ from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
 from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
+STEP_CB, STEP_CBT = 32, 128  # ssd_step.cu: rows per block of mb_m2_step_cb_k, threads
 
 
 class _GraphSession:
@@ -283,7 +284,8 @@ class M2Session(_SsdSession):
     of its output row, from one step to the next and computes only what the new row
     adds; they are rebuilt at the first step after the session opens and after each
     sync_state or load_state (ctl[1])."""
-    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k")
+    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k",
+               "mb_m2_fold_k")
 
     @staticmethod
     def advance(count, n):
@@ -307,6 +309,7 @@ class M2Session(_SsdSession):
         self.dt, dA, self.cs = (a(B * H * M2_Q) for _ in range(3))
         seg = a(2 * B * H * M2_Q)  # the rows of even and odd steps
         S, Ec = a(B * H * HP * NS), a(B * H)
+        G, Yo = a(B * M2_Q), a(B * H * HP)  # the step's dots with C_t
         scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
         conv = "mb_fast_conv_step_k" if fast else "mb_conv_step_k"
         g, L = self.guard.ptr, be._launch
@@ -323,8 +326,11 @@ class M2Session(_SsdSession):
               self.dt, dA, self.cs, scal, desc, self.rep)
             L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
               desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
-            L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q + HP // STEP_PS,
-              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, h, seg, yg)
+            L(cs, "mb_m2_step_cb_k", ((M2_Q + H * HP) // STEP_CB, B), STEP_CBT,
+              desc, H, di, CD, bx, h, G, Yo)
+            L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q,
+              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, G, Yo, h,
+              seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
                      g)

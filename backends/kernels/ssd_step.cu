@@ -9,11 +9,13 @@
  * moves it on. A step the session guard refused (finite.cu) gets an empty plan: no
  * new row, no fold, no state piece written, the count kept. */
 #include "ssd3.cu"
+#include "chain.h"
 
 #define STEP_Q2 256 /* Mamba-2's chunk (ssd2.cu M2Q) */
 #define STEP_PS 2 /* blocks per head of mb_m2_step_y_k */
 #define STEP_PC (SSD_HP / STEP_PS) /* their columns */
-#define STEP_Y2 (STEP_Q2 + STEP_PC) /* their threads: one per row j, then per column */
+#define STEP_CB 32 /* rows per block of mb_m2_step_cb_k */
+#define STEP_CBT 128 /* its threads */
 
 /* a row of SSD_NS floats (global, 16-byte aligned) into registers: the loads issue
  * together, so that the chain after them waits on global memory once */
@@ -105,76 +107,100 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
     }
 }
 
-/* Mamba-2: the step's output row, mb_m2_y_k's row i = t of the open chunk (G, M,
- * Y_diag, Y_off and the sum in its expressions and orders), a head's columns split
- * over STEP_PS blocks (grid (H, B, STEP_PS)) so that a batch-1 step spreads over
- * the SMs. Thread j <= t computes column j of M (each block all of them), thread
- * STEP_Q2 + p the C . h of the block's column p, each from its row held in
- * registers, loaded with the staging of the block's columns of u (rows j <= t) and
- * of dt, so that the step waits on global memory once; thread p then walks Y_diag's
- * chain. seg[t][j], the serial sum of dA[j+1..t] from +0, is carried between steps
- * in seg (2, B * H, 256), the row of step t in half t % 2 (the blocks of a head
- * read the row before while they write theirs): each step adds dA[t] to the
- * columns of the row before (the same chain), or, when ctl[1] asks, walks it
- * again. h is the state entering the chunk; a chunk that folds then moves the
- * block's columns of h on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves
- * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
-MB_KERNEL void MB_BOUNDS(STEP_Y2)
+/* Mamba-2: the step's dots with C_t, each a row's serial chain: C . B_j of the
+ * open chunk's rows j <= t into G (B, 256; the same for every head) and C . h_p of
+ * every head's state column p into Yo (B, H * 64; Y_off's dots). A block takes
+ * STEP_CB rows (grid x: the 256 / STEP_CB blocks of B's rows, then the H * 64 /
+ * STEP_CB of h's; y: batch rows), copies them whole with coalesced reads, and
+ * thread r walks row r. */
+MB_KERNEL void MB_BOUNDS(STEP_CBT)
+mb_m2_step_cb_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
+                const float *h, float *G, float *Yo)
+{
+    __shared__ __align__(16) float rows[STEP_CB][SSD_NS + 4];
+    __shared__ __align__(16) float Ct[SSD_NS];
+    const int64_t b = blockIdx.y, *d = desc + b * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], t = d[3];
+    const int64_t gb = STEP_Q2 / STEP_CB, on_b = blockIdx.x < gb;
+    const int64_t r0 = (on_b ? blockIdx.x : blockIdx.x - gb) * STEP_CB;
+    if (t >= n || (on_b && r0 > t)) return; /* refused, or rows past t */
+    const int tid = threadIdx.x;
+    const int nr = on_b && t + 1 - r0 < STEP_CB ? (int)(t + 1 - r0) : STEP_CB;
+    const float *u = U + e0 * CD;
+    const float *src = on_b ? u + r0 * CD + di : h + (b * H * SSD_HP + r0) * SSD_NS;
+    const int64_t ld = on_b ? CD : SSD_NS;
+    for (int m = tid; m < SSD_NS / 4; m += STEP_CBT)
+        mb_cp_async16(Ct + 4 * m, u + t * CD + di + SSD_NS + 4 * m, 16);
+    for (int e = tid; e < nr * (SSD_NS / 4); e += STEP_CBT) {
+        const int r = e / (SSD_NS / 4), c = e % (SSD_NS / 4) * 4;
+        mb_cp_async16(&rows[r][c], src + r * ld + c, 16);
+    }
+    mb_cp_commit();
+    mb_cp_wait<0>();
+    __syncthreads();
+    if (tid < nr) {
+        const float g = mb_chain_tile<false>(0.0f, Ct, rows[tid], SSD_NS);
+        (on_b ? G + b * STEP_Q2 : Yo + b * H * SSD_HP)[r0 + tid] = g;
+    }
+}
+
+/* Mamba-2: the step's output row, mb_m2_y_k's row i = t of the open chunk (M,
+ * Y_diag, Y_off and the sum in its expressions and orders) from the dots of
+ * mb_m2_step_cb_k, a head's columns split over STEP_PS blocks (grid (H, B,
+ * STEP_PS)) so that a batch-1 step spreads over the SMs. Thread j <= t computes
+ * column j of M (each block all of them) while the block's columns of u (rows j <=
+ * t) are copied; thread p then walks Y_diag's chain. seg[t][j], the serial sum of
+ * dA[j+1..t] from +0, is carried between steps in seg (2, B * H, 256), the row of
+ * step t in half t % 2 (the blocks of a head read the row before while one writes
+ * theirs): each step adds dA[t] to the columns of the row before (the same chain),
+ * or, when ctl[1] asks, walks it again. A chunk that folds then moves the block's
+ * columns of h on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves gated
+ * by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
+MB_KERNEL void MB_BOUNDS(STEP_Q2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
-               const float *E, const float *S, const float *zx, int64_t NP, float *h, float *seg,
-               float *yb)
+               const float *E, const float *S, const float *zx, int64_t NP, const float *G,
+               const float *Yo, float *h, float *seg, float *yb)
 {
     __shared__ __align__(16) float Xs[STEP_Q2][STEP_PC];
-    __shared__ __align__(16) float Ct[SSD_NS];
-    __shared__ float Mt[STEP_Q2], dts[STEP_Q2], Yo[STEP_PC];
+    __shared__ float Mt[STEP_Q2], dts[STEP_Q2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
     const int64_t e0 = d[1], n = d[2], t = d[3];
     if (t >= n) return; /* refused: no row, the columns kept */
     const int tid = threadIdx.x, p0 = blockIdx.z * STEP_PC;
     const int64_t c0 = hh * SSD_HP + p0; /* the block's first column of u */
     const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
-    float *hs = h + bh * SSD_HP * SSD_NS;
-    for (int m = tid; m < SSD_NS / 4; m += STEP_Y2)
-        mb_cp_async16(Ct + 4 * m, u + t * CD + di + SSD_NS + 4 * m, 16);
-    for (int e = tid; e < (t + 1) * (STEP_PC / 4); e += STEP_Y2) {
+    for (int e = tid; e < (t + 1) * (STEP_PC / 4); e += STEP_Q2) {
         const int j = e / (STEP_PC / 4), c = e % (STEP_PC / 4) * 4;
         mb_cp_async16(&Xs[j][c], u + j * CD + c0 + c, 16);
     }
     mb_cp_commit();
-    float4 row[SSD_NS / 4];
-    float s = 0.0f;
     if (tid <= t) {
-        dts[tid] = dt[bh * STEP_Q2 + tid];
-        step_row(row, u + tid * CD + di);
         const int64_t half = (int64_t)gridDim.y * H * STEP_Q2, at = bh * STEP_Q2 + tid;
+        float s = 0.0f;
         if (ctl[1]) {
             for (int64_t i = tid + 1; i <= t; i++) s = s + dAc[i];
         } else if (tid < t) {
             s = seg[(~t & 1) * half + at] + dAc[t];
         }
         if (blockIdx.z == 0) seg[(t & 1) * half + at] = s;
-    } else if (tid >= STEP_Q2) {
-        step_row(row, hs + (p0 + tid - STEP_Q2) * SSD_NS);
+        dts[tid] = dt[bh * STEP_Q2 + tid];
+        Mt[tid] = G[b * STEP_Q2 + tid] * mb_exp(s);
     }
     mb_cp_wait<0>();
-    __syncthreads();
-    if (tid <= t)
-        Mt[tid] = step_dot<false>(Ct, row, 1.0f) * mb_exp(s);
-    else if (tid >= STEP_Q2)
-        Yo[tid - STEP_Q2] = step_dot<false>(Ct, row, 1.0f);
     __syncthreads();
     if (tid < STEP_PC) {
         float yd = 0.0f;
 #pragma unroll 8 /* the shared-memory reads run ahead of the chain */
         for (int j = 0; j <= t; j++) yd = fmaf(Mt[j], Xs[j][tid] * dts[j], yd);
         const int64_t c = c0 + tid;
-        const float y = (yd + Yo[tid] * mb_exp(cs[bh * STEP_Q2 + t])) + Xs[t][tid] * D[hh];
+        const float yo = Yo[bh * SSD_HP + p0 + tid];
+        const float y = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + Xs[t][tid] * D[hh];
         yb[b * di + c] = y * mb_silu(zx[b * NP + c]);
     }
     if (!d[5]) return;
-    /* h was read before the barrier above */
-    for (int e = tid; e < STEP_PC * SSD_NS; e += STEP_Y2) {
+    float *hs = h + bh * SSD_HP * SSD_NS;
+    for (int e = tid; e < STEP_PC * SSD_NS; e += STEP_Q2) {
         const int64_t i = p0 * SSD_NS + e;
         hs[i] = fmaf(E[bh], hs[i], S[bh * SSD_HP * SSD_NS + i]);
     }
@@ -378,4 +404,5 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
 #undef STEP_Q2
 #undef STEP_PS
 #undef STEP_PC
-#undef STEP_Y2
+#undef STEP_CB
+#undef STEP_CBT
