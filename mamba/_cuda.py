@@ -293,10 +293,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
         big = {"mb_gemv_k": self.gemv_smem, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
-            if smem > 48 * 1024:
-                self._ck(cu.cuFuncSetAttribute(
-                    self.fn[k], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem), f"cuFuncSetAttribute({k})")
+            self._allow_smem(k, smem)
         props = cu.CUmemPoolProps()
         props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -328,12 +325,22 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         number, owner = getattr(_current, "entry", None) or (LEGACY, None)
         return _Stream(self.cu, number, owner)
 
-    def _kernels(self, *names):
+    def _kernels(self, *names, smem=None):
         """Look the named kernels up in the module on first use (those outside
-        KERNELS, which __init__ loads)."""
+        KERNELS, which __init__ loads); smem: {name: bytes of dynamic shared memory}
+        of those that launch with more than the default allows."""
         for n in names:
             if n not in self.fn:
                 self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
+                self._allow_smem(n, (smem or {}).get(n, 0))
+
+    def _allow_smem(self, name, smem):
+        """Let kernel `name` launch with smem bytes of dynamic shared memory."""
+        if smem > 48 * 1024:
+            cu = self.cu
+            self._ck(cu.cuFuncSetAttribute(
+                self.fn[name], cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem), f"cuFuncSetAttribute({name})")
 
     def _launch(self, s, name, grid, block, *args, smem=0):
         """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct."""

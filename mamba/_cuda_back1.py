@@ -24,14 +24,6 @@ class Back1Mixin:
     # window cuts no reduction, so its size changes no bit.
     m1_window_bytes = 1 << 29
 
-    def _b1_kernels(self):
-        if "mb_m1b_chunk_k" not in self.fn:
-            self._kernels(*_KERNELS)
-            self._ck(self.cu.cuFuncSetAttribute(
-                self.fn["mb_m1b_chunk_k"],
-                self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                CHUNK_SMEM), "cuFuncSetAttribute(mb_m1b_chunk_k)")
-
     def m1_backward(self, w, d_model, x, dy, gx, gw):
         """Gradients of a zero-state prefill of x (B, L, d_model) with grad_output dy:
         gx (x's) and gw (one per weight, weight order). Host x gives host gradients,
@@ -39,7 +31,7 @@ class Back1Mixin:
         same identical path (the block passes no mode): the backward has no faster
         schedule, so fast mode's accuracy promise holds with the identical bits."""
         from . import _cuda as C
-        self._b1_kernels()
+        self._kernels(*_KERNELS, smem={"mb_m1b_chunk_k": CHUNK_SMEM})
         self._enter()
         st = self.stream()
         s = st.cu

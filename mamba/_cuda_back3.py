@@ -28,19 +28,11 @@ _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "m
 class Back3Mixin:
     """CudaBackend's m3_backward."""
 
-    def _b3_kernels(self):
-        if "mb_m3b_chunk_k" not in self.fn:
-            self._kernels(*_KERNELS)
-            self._ck(self.cu.cuFuncSetAttribute(
-                self.fn["mb_m3b_chunk_k"],
-                self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                CHUNK_SMEM), "cuFuncSetAttribute(mb_m3b_chunk_k)")
-
     def m3_backward(self, w, d_model, x, dy, gx, gw):
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
         into gx and gw (the weights' order): device outputs are written in place,
         host ones copied back."""
-        self._b3_kernels()
+        self._kernels(*_KERNELS, smem={"mb_m3b_chunk_k": CHUNK_SMEM})
         self._enter()
         st = self.stream()
         s = st.cu

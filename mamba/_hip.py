@@ -148,6 +148,12 @@ class Driver:
     def cuGetErrorName(self, err):
         return self.hip.hipError_t.hipSuccess, _err_name(self.hip, err).encode()
 
+    CUfunction_attribute = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=0)
+
+    def cuFuncSetAttribute(self, fn, attribute, value):
+        # AMD gives a kernel its LDS without an opt-in
+        return (self.hip.hipError_t.hipSuccess,)
+
     def cuPointerGetAttribute(self, attribute, ptr):
         out = ctypes.c_int()  # HIP writes the attribute through a pointer
         return self.hip.hipPointerGetAttribute(ctypes.addressof(out), attribute, ptr)[0], out.value
