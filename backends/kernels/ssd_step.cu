@@ -165,27 +165,38 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
     __shared__ __align__(16) float Xs[STEP_Q2][STEP_PC];
     __shared__ float Mt[STEP_Q2], dts[STEP_Q2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], t = d[3];
+    /* every global read is issued as early as its address is known: the step
+     * waits on memory as few times as it can */
+    const int64_t e0 = d[1], n = d[2], t = d[3], whole = ctl[1];
     if (t >= n) return; /* refused: no row, the columns kept */
     const int tid = threadIdx.x, p0 = blockIdx.z * STEP_PC;
-    const int64_t c0 = hh * SSD_HP + p0; /* the block's first column of u */
+    const int64_t c0 = hh * SSD_HP + p0, c = c0 + tid; /* the block's first column, the thread's */
     const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
     for (int e = tid; e < (t + 1) * (STEP_PC / 4); e += STEP_Q2) {
-        const int j = e / (STEP_PC / 4), c = e % (STEP_PC / 4) * 4;
-        mb_cp_async16(&Xs[j][c], u + j * CD + c0 + c, 16);
+        const int j = e / (STEP_PC / 4), cc = e % (STEP_PC / 4) * 4;
+        mb_cp_async16(&Xs[j][cc], u + j * CD + c0 + cc, 16);
     }
     mb_cp_commit();
+    float yo = 0.0f, cst = 0.0f, dh = 0.0f, z = 0.0f; /* the row's epilogue operands */
+    if (tid < STEP_PC) {
+        yo = Yo[bh * SSD_HP + p0 + tid];
+        cst = cs[bh * STEP_Q2 + t];
+        dh = D[hh];
+        z = zx[b * NP + c];
+    }
     if (tid <= t) {
         const int64_t half = (int64_t)gridDim.y * H * STEP_Q2, at = bh * STEP_Q2 + tid;
+        const float prev = tid < t ? seg[(~t & 1) * half + at] : 0.0f, at_t = dAc[t];
+        const float g = G[b * STEP_Q2 + tid];
+        dts[tid] = dt[bh * STEP_Q2 + tid];
         float s = 0.0f;
-        if (ctl[1]) {
+        if (whole) {
             for (int64_t i = tid + 1; i <= t; i++) s = s + dAc[i];
         } else if (tid < t) {
-            s = seg[(~t & 1) * half + at] + dAc[t];
+            s = prev + at_t;
         }
         if (blockIdx.z == 0) seg[(t & 1) * half + at] = s;
-        dts[tid] = dt[bh * STEP_Q2 + tid];
-        Mt[tid] = G[b * STEP_Q2 + tid] * mb_exp(s);
+        Mt[tid] = g * mb_exp(s);
     }
     mb_cp_wait<0>();
     __syncthreads();
@@ -193,10 +204,8 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
         float yd = 0.0f;
 #pragma unroll 8 /* the shared-memory reads run ahead of the chain */
         for (int j = 0; j <= t; j++) yd = fmaf(Mt[j], Xs[j][tid] * dts[j], yd);
-        const int64_t c = c0 + tid;
-        const float yo = Yo[bh * SSD_HP + p0 + tid];
-        const float y = (yd + yo * mb_exp(cs[bh * STEP_Q2 + t])) + Xs[t][tid] * D[hh];
-        yb[b * di + c] = y * mb_silu(zx[b * NP + c]);
+        const float y = (yd + yo * mb_exp(cst)) + Xs[t][tid] * dh;
+        yb[b * di + c] = y * mb_silu(z);
     }
     if (!d[5]) return;
     float *hs = h + bh * SSD_HP * SSD_NS;
@@ -343,12 +352,17 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
     __shared__ __align__(16) float qs[SSD_NS];
     __shared__ float Mt[M3Q + 1], Ys[SSD_HP];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = ydesc + b * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], w = d[3];
+    /* every global read is issued as early as its address is known */
+    const int64_t e0 = d[1], n = d[2], w = d[3], seal = scal[0], whole = scal[3];
     if (w >= n) return; /* refused: no row, the columns kept */
     const int tid = threadIdx.x;
-    const bool whole = scal[3] != 0;
     float *hs = h + bh * SSD_HP * SSD_NS, *sg = seg + bh * (M3Q + 1);
-    if (scal[0]) {
+    float dq = 0.0f, z = 0.0f; /* the row's epilogue operands */
+    if (tid < SSD_HP) {
+        dq = D[hh] + qg[bh];
+        z = zx[b * dip + hh * SSD_HP + tid];
+    }
+    if (seal) {
         for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Y3)
             hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
         __syncthreads(); /* h is whole before its rows are read */
@@ -395,8 +409,8 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
 #pragma unroll 8 /* the shared-memory reads run ahead of the chain */
         for (int u = 0; u < w; u++) yi = fmaf(Mt[u], Vt[u][p], yi);
         float y = Ys[p] * Mt[M3Q] + yi;
-        y = y + (D[hh] + qg[bh]) * Vt[w][p];
-        yg[b * di + hh * SSD_HP + p] = y * mb_silu(zx[b * dip + hh * SSD_HP + p]);
+        y = y + dq * Vt[w][p];
+        yg[b * di + hh * SSD_HP + p] = y * mb_silu(z);
     }
 }
 
