@@ -12,7 +12,9 @@ and the conv on the fast kernels; the chunk kernels are the identical ones.
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
 """
+import array
 import ctypes
+import functools
 import os
 import struct
 
@@ -24,6 +26,7 @@ FOLD_THREADS = 256
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
+S_GROUP = 1 << 26  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
@@ -39,6 +42,14 @@ def enabled():
     return VALIDATED or os.environ.get("MAMBA_CUDA_SSD") == "1"
 
 
+def _release(sc, *ptrs):
+    """Hand scratch of a call's _Scratch back to the pool before the call ends, in
+    the call's stream order, so its later allocations can take the memory."""
+    for p in ptrs:
+        sc.ptrs.remove(p)
+        sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
+
+
 def _bits(f):
     return struct.unpack("<I", struct.pack("<f", f))[0]
 
@@ -47,9 +58,11 @@ class _Plan:
     """Host bookkeeping of one call: packed token offsets, ext rows, chunks, and
     what goes back into the state buffers. m3: a chunk folds only once the next
     row exists (sealed), and the open chunk keeps 1..Q rows; Mamba-2 folds a full
-    chunk at once and keeps 0..Q-1."""
+    chunk at once and keeps 0..Q-1. Rows are also cut into groups of at most
+    `group` chunks (a longer row alone): per group (b0, rows, c0, chunks, at), its
+    own cbeg counted from its first chunk at entry `at` of the "gcbeg" table."""
 
-    def __init__(self, B, L, lengths, t0, Q, m3):
+    def __init__(self, B, L, lengths, t0, Q, m3, group=None):
         self.B, self.Q = B, Q
         off, eoff, cbeg, store, last, rep, desc, counts = [0], [0], [0], [], [], [], [], []
         for b in range(B):
@@ -74,19 +87,38 @@ class _Plan:
             raise ValueError(f"mamba: a call of {self.NC} chunks exceeds the CUDA backend's "
                              f"{MAX_GRID_Z}; split the batch or the sequence")
         self.counts = counts
-        self._parts = [("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff), ("cbeg", cbeg),
-                       ("store", store), ("last", last), ("rep", rep), ("desc", desc)]
+        self.groups, gcbeg, b0 = [], [], 0
+        while b0 < B:
+            b1 = b0 + 1
+            while b1 < B and (group is None or cbeg[b1 + 1] - cbeg[b0] <= group
+                              or cbeg[b1] == cbeg[b0]):  # a group holds a chunk
+                b1 += 1
+            self.groups.append((b0, b1 - b0, cbeg[b0], cbeg[b1] - cbeg[b0], len(gcbeg)))
+            gcbeg += [c - cbeg[b0] for c in cbeg[b0:b1 + 1]]
+            b0 = b1
+        self._tables, self._at = array.array("q"), []
+        for name, part in (("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff),
+                           ("cbeg", cbeg), ("store", store), ("last", last), ("rep", rep),
+                           ("desc", desc), ("gcbeg", gcbeg)):
+            self._at.append((name, len(self._tables)))
+            self._tables.extend(part)
 
     def upload(self, sc):
         """Device pointers of the int64 tables (one upload)."""
-        flat = [v for _, part in self._parts for v in part]
-        host = (ctypes.c_int64 * len(flat))(*flat)
-        base = sc.upload(ctypes.addressof(host), 8 * len(flat))
-        at, ptrs = 0, {}
-        for name, part in self._parts:
-            ptrs[name] = base + 8 * at
-            at += len(part)
-        return ptrs
+        base = sc.upload(self._tables.buffer_info()[0], 8 * len(self._tables))
+        return {name: base + 8 * at for name, at in self._at}
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_plan(B, L, lengths, t0, Q, m3, group):
+    return _Plan(B, L, lengths, t0, Q, m3, group)
+
+
+def _plan(B, L, lengths, t0, Q, m3, group=None):
+    """The _Plan of a call, built once per shape: building it in Python costs about
+    a millisecond at 512 chunks, time the device would sit idle. Plans are never
+    modified after construction."""
+    return _cached_plan(B, L, None if lengths is None else tuple(lengths), t0, Q, m3, group)
 
 
 class SsdMixin:
@@ -104,6 +136,14 @@ class SsdMixin:
 
     def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast):
         """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows."""
+        xd, xn, (zx,) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, (NP,),
+                                         parts, fast)
+        return xd, xn, zx
+
+    def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast):
+        """_front with in_proj's output columns cut into blocks of the given widths,
+        each an array of its own (M rows of that width) that can be freed apart:
+        (x, xn, [blocks]). Each output is the same dot product either way."""
         C = self._ssd_fn()
         M = I["M"]
         xs = self._on_device(sc, x)
@@ -112,10 +152,15 @@ class SsdMixin:
             xs = sc(M * dm)
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
                          B, L, dm, I["off"], xd, xs)
-        xn, zx = sc(M * dm), sc(M * NP)
+        xn = sc(M * dm)
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
-        self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, parts, fast)
-        return xd, xn, zx
+        blocks, col = [], 0
+        for n in widths:
+            blocks.append(sc(M * n))
+            self.gemm(s, M, n, dm, xn, dm, C._ptr(in_proj) + 4 * col * dm, dm, blocks[-1], n, parts,
+                      fast)
+            col += n
+        return xd, xn, blocks
 
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
@@ -130,7 +175,7 @@ class SsdMixin:
         H, CD = di // HP, di + 2 * NS
         NP = di + CD + H
         norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
-        plan = _Plan(B, L, lengths, buffered_tokens, M2_Q, False)
+        plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
         back = []
         with C._Scratch(self, st) as sc:
@@ -142,6 +187,7 @@ class SsdMixin:
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
                                      fast)
+            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             # conv + silu over xBC, then the ext rows: buffered ones, then new ones
             # (with none buffered, the conv's packed rows are the ext rows already)
             direct = buffered_tokens == 0
@@ -181,7 +227,9 @@ class SsdMixin:
                              B, I["store"], M2_Q, W, ext, buf)
             # the gated norm, out_proj, residual
             self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
-            self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, xn, yd, parts, fast)
+            _release(sc, zx, U, DTR, dt, dA, cs, G, S, Ec, *(() if direct else (unew,)))
+            self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, sc(M * dm), yd, parts,
+                       fast)
             self._finish(st, back)
         return tuple(plan.counts)
 
@@ -255,9 +303,11 @@ class SsdMixin:
         s = st.cu
         dm, B, L = d_model, x.shape[0], x.shape[1]
         di, H, NP = m3_dims(dm)
+        NR = NP - 2 * di
         norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
-        plan = _Plan(B, L, lengths, buffered_tokens, M3_Q, True)
-        M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
+        per = HP * NS
+        plan = _plan(B, L, lengths, buffered_tokens, M3_Q, True, S_GROUP // (H * per))
+        M, E, NC = plan.M, plan.E, plan.NC
         back = []
         with C._Scratch(self, st) as sc:
             I = plan.upload(sc)
@@ -268,11 +318,16 @@ class SsdMixin:
             yd = self._out(sc, y, back)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
-            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
-                                     fast)
-            Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, zx, di, NP, Bn_w, Cn_w, fast)
+            # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v
+            # rows themselves when none are buffered) and the rest from B on (read as
+            # rows of width NR whose B sits at 2 * di = 0)
+            xd, xn, (z, xv, R) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w,
+                                                  in_proj, (di, di, NR), parts, fast)
+            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
+            Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
-            Q, K, V = sc(E * H * NS), sc(E * H * NS), sc(E * di)
+            direct = buffered_tokens == 0
+            Q, K, V = sc(E * H * NS), sc(E * H * NS), xv if direct else sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
             bufs = ((bq, Q, H * NS), (bk, K, H * NS), (bv, V, di), (bdt, DT, H),
                     (bsig, SIG, H), (badt, ADT, H))
@@ -280,29 +335,34 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["eoff"], I["t0"], M3_Q, W, buf, ext)
             self._launch(s, "mb_m3_prep_k", self._rows_grid(L * (H + NA), B), C.THREADS,
-                         B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
+                         B, I["off"], I["eoff"], I["t0"], H, 0, NR, R, dt_bias, Bn, Cn,
                          B_bias, C_bias, DT, SIG, ADT, QKG, TA)
-            self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
-                         B, I["off"], I["eoff"], I["t0"], di, zx + 4 * di, NP, V)
+            if not direct:
+                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
+                             B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
+                _release(sc, xv)
             self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
                          B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
             self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
                          B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
+            _release(sc, R, Bn, Cn, TA)
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
                              B, H, I["eoff"], DT, SIG, pk, pv, h)
                 for a, n in ((pk, B * H * NS), (pv, B * H * HP)):
                     self._ck(self.cu.cuMemsetD32Async(a, 0, n, s), "cuMemsetD32Async")
-            # the chunks: sealed ones' contractions, the state pass, the outputs
-            S, Ec = sc(NC * H * per), sc(NC * H)
-            hck = S  # as for Mamba-2
-            self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
-                         I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
-            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
-                         B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
-            yg = sc(M * di)
-            self._launch(s, "mb_m3_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, NP, Q, K, V, DT,
-                         SIG, ADT, QKG, hck, D, zx, yg)
+            # the chunks, a group of rows at a time (their states S, which the state
+            # pass overwrites with the state entering each chunk, as for Mamba-2):
+            # sealed ones' contractions, the state pass, the outputs
+            S, Ec = sc(max(g[3] for g in plan.groups) * H * per), sc(NC * H)
+            for b0, nb, c0, nc, at in plan.groups:
+                dsc, E0, cb = I["desc"] + 8 * DESC * c0, Ec + 4 * H * c0, I["gcbeg"] + 8 * at
+                self._launch(s, "mb_m3_fold_k", (nc, H), FOLD_THREADS,
+                             dsc, H, K, V, DT, SIG, ADT, 0, S, E0)
+                self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
+                             nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
+                self._launch(s, "mb_m3_y_k", (H, nc), TILE_THREADS, dsc, H, di, di, Q, K, V, DT,
+                             SIG, ADT, QKG, S, D, z, z)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
                          I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0)
@@ -311,10 +371,11 @@ class SsdMixin:
             for buf, ext, W in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["store"], M3_Q, W, ext, buf)
-            self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, xn, yd, parts, fast)
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec)
+            self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
+                       fast)
             self._finish(st, back)
         return buffered_tokens if lengths is not None else plan.counts[0]
-
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

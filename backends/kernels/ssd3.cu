@@ -29,7 +29,9 @@ MB_DEV float m3_heavy_tail(float x)
 }
 
 /* Grid (x over the row's tokens * (H + M3A), y over rows). zx rows are in_proj's
- * (z | x | B | C | dd_dt | dd_A | trap | angle); Bn, Cn the normed B and C. */
+ * (z | x | B | C | dd_dt | dd_A | trap | angle), or with di = 0 the rows from B on;
+ * Bn, Cn the normed B and C. Bn, Cn, B_bias and C_bias are read a float4 at a time
+ * (rows of 128 floats from 16-byte aligned bases). */
 MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                             int64_t H, int64_t di, int64_t dip, const float *zx,
                             const float *dt_bias, const float *Bn, const float *Cn,
@@ -58,8 +60,17 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
             SIG[e] = sig;
             const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
             const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+            /* four terms to a float4 of each operand: a warp's threads read the
+             * biases of as many heads, each load as many cache lines */
             float acc = 0.0f;
-            for (int m = 0; m < SSD_NS; m++) acc = fmaf(c[m] + cb[m], k[m] + kb[m], acc);
+            for (int m = 0; m < SSD_NS; m += 4) {
+                const float4 c4 = *(const float4 *)(c + m), cb4 = *(const float4 *)(cb + m);
+                const float4 k4 = *(const float4 *)(k + m), kb4 = *(const float4 *)(kb + m);
+                acc = fmaf(c4.x + cb4.x, k4.x + kb4.x, acc);
+                acc = fmaf(c4.y + cb4.y, k4.y + kb4.y, acc);
+                acc = fmaf(c4.z + cb4.z, k4.z + kb4.z, acc);
+                acc = fmaf(c4.w + cb4.w, k4.w + kb4.w, acc);
+            }
             QKG[e] = acc * (dt * sig);
         }
     }
@@ -194,7 +205,7 @@ MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, b
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
  * out[c, h] = fma(exp(cs_last), hin[c, h], S). S's terms are (k_j[m] * scale_j)
  * (v_j[p] * dec_j). */
-MB_KERNEL void MB_BOUNDS(SSD_FOLD_THREADS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
 mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
              const float *SIG, const float *ADT, const float *hin, float *out, float *E)
 {
@@ -204,19 +215,21 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     const bool sealed = d[5] != 0;
     if (!hin && !sealed) return;
-    if (threadIdx.x == 0) {
+    /* the row values loaded by one thread each, then the cumsum serial over shared
+     * memory (n global latencies in a row otherwise) */
+    const int t = threadIdx.x;
+    if (t < n) {
+        cs[t] = ADT[(e0 + t) * H + h];
+        sc[t] = m3_scale(DT, SIG, H, (e0 + t) * H + h, t + 1 < n || sealed);
+    }
+    __syncthreads();
+    if (t == 0) {
         float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            acc = acc + ADT[(e0 + j) * H + h];
-            cs[j] = acc;
-        }
+        for (int64_t j = 0; j < n; j++) cs[j] = acc = acc + cs[j];
     }
     __syncthreads();
     const float last = cs[n - 1], ex = mb_exp(last);
-    for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) {
-        sc[j] = m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed);
-        dec[j] = mb_exp(last - cs[j]);
-    }
+    if (t < n) dec[t] = mb_exp(last - cs[t]);
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
     ssd_fold(n, [&](int64_t j, int m) { return K[((e0 + j) * H + h) * SSD_NS + m] * sc[j]; },
@@ -232,7 +245,8 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
  * M . v over u < i ascending, then parked in Ta; ys = q_i . h_prev over m (q and
  * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
  * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
- * < n. */
+ * < n. yg may be z itself (dip = di): each element of z is read only by the thread
+ * that then writes it. */
 MB_KERNEL void MB_BOUNDS(SSD_UT)
 mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
           const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
@@ -306,18 +320,28 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
         __syncthreads();
         ssd_mma64(acc, Tb, Tb + 32, 0, 32);
     }
+    /* a row's v and z are all loaded before its outputs are stored (a store may
+     * alias a later load, so the loads would not move up past it) */
+    const int64_t tok0 = d[4];
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const int64_t i = ssd_r(t) + r;
         if (i < r0 || i >= n) continue;
-        const int64_t tok = d[4] + i - r0;
+        const int64_t tok = tok0 + i - r0;
+        const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
+        float vr[8], zr[8];
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) {
+            vr[qq] = vi[ssd_cq(t, qq)];
+            zr[qq] = zi[ssd_cq(t, qq)];
+        }
         const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
             const int p = ssd_cq(t, qq);
             float y = acc[r][qq] * e + Ta[i][p];
-            y = y + dq * v[i * H * SSD_HP + p];
-            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zx[tok * dip + h * SSD_HP + p]);
+            y = y + dq * vr[qq];
+            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
         }
     }
 }
