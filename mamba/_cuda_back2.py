@@ -8,7 +8,7 @@ before the gate and the state entering every chunk. The SSD backward is
 backends/kernels/back2.cu; the norms, projections, conv and folds are the shared
 pieces of _cuda_grad.py.
 """
-from ._cuda_ssd import _Plan, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS
+from ._cuda_ssd import _plan, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
 COL_THREADS = 256  # back2.cu COL_THREADS
@@ -37,7 +37,7 @@ class Back2Mixin:
         H, CD = di // HP, di + 2 * NS
         NP, M, Q, per = di + CD + H, B * L, M2_Q, HP * NS
         norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
-        plan = _Plan(B, L, None, 0, Q, False)
+        plan = _plan(B, L, None, 0, Q, False)
         NC = plan.NC
         nk = NC // B
         lo, hi = _bits(dt_limit[0]), _bits(dt_limit[1])

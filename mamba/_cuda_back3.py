@@ -12,7 +12,7 @@ own sequence of float operations, so no launch shape changes a bit. Scratch live
 nested scopes freed in stream order as soon as its last reader is queued, and the
 chunk states' fold buffer is reused for the gated output, Sd and dh.
 """
-from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, TILE_THREADS, _Plan, m3_dims
+from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, TILE_THREADS, _plan, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
@@ -41,7 +41,7 @@ class Back3Mixin:
         oB, oC, oDT = 2 * di, 2 * di + NS, 2 * di + 2 * NS
         oANG = oDT + 3 * H
         norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
-        plan = _Plan(B, L, None, 0, M3_Q, True)
+        plan = _plan(B, L, None, 0, M3_Q, True)
         M, NC, per = plan.M, plan.NC, HP * NS
         rows = self._rows_grid
         from ._cuda import _Scratch  # _cuda imports this module
