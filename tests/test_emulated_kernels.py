@@ -13,7 +13,7 @@ import pytest
 
 import emu
 import mamba
-from mamba import _backends, _core
+from mamba import _backends, _core, _cuda_ssd
 from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
@@ -123,6 +123,17 @@ LANE_CASES = [(n, lane) for n in BLOCKS for lane in LANES] + [("mamba3", lane_in
 def test_identity_lane(be, name, lane):
     got = lane(make(name, backend="cuda"), name)
     assert_same(got, lane(make(name, backend="cpu"), name), f"{name} {lane.__name__}")
+
+
+@pytest.mark.parametrize("lane", [lane_forward, lane_batch, lane_split, lane_ragged],
+                         ids=lambda lane: lane.__name__[5:])
+def test_mamba3_rows_in_groups(be, lane, monkeypatch):
+    """Mamba-3's chunk states taken a group of rows at a time (S_GROUP bounds their
+    memory; at the lanes' sizes one group holds every row): here every row a group
+    of its own, still the C reference's bits."""
+    monkeypatch.setattr(_cuda_ssd, "S_GROUP", 1)
+    got = lane(make("mamba3", backend="cuda"), "mamba3")
+    assert_same(got, lane(make("mamba3", backend="cpu"), "mamba3"), lane.__name__)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))
