@@ -139,6 +139,7 @@ cdef extern from "mamba_ref.h" nogil:
                        const float *dy, const mb_m3_grads *grads)
     void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                  const float *W, int64_t ldw, float *Y, int64_t ldy)
+    void mb_rmsnorm(int64_t M, int64_t n, const float *x, const float *w, float *out)
     int mb_math_eval(int which, int64_t n, const float *x, float *y)
     float mb_dot_eval(int64_t k, const float *a, const float *b)
     int mb_isa_select(int which)
@@ -912,6 +913,20 @@ def _gemm(X, W, int64_t M, int64_t N, int64_t K):
     cdef float *yp = _mp(y)
     with nogil:
         mb_gemm(M, N, K, xp, K, wp, K, yp, N)
+    return y
+
+
+def _rmsnorm(X, Wt, int64_t M, int64_t n):
+    """RMSNorm of the M rows of n of X with weight Wt (tests)."""
+    cdef Array x = intake(X, "_rmsnorm", "X"), w = intake(Wt, "_rmsnorm", "W")
+    if x.size != M * n or w.size != n:
+        raise ValueError("_rmsnorm: sizes do not match M, n")
+    cdef Array y = _alloc((M, n), False)
+    cdef const float *xp = _cp(x)
+    cdef const float *wp = _cp(w)
+    cdef float *yp = _mp(y)
+    with nogil:
+        mb_rmsnorm(M, n, xp, wp, yp)
     return y
 
 

@@ -590,9 +590,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          M, n, x, ldx, w, out, n)
             return
         self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
-                     M, n, x, ldx, r, smem=self.norm_smem)
-        self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w, out,
-                     n)
+                     M, n, x, ldx, r, w, out, n, smem=self.norm_smem)
+        if not self._norm_whole(M, n):
+            self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w,
+                         out, n)
+
+    def _norm_whole(self, M, n):
+        """Whether mb_rms_k holds every block's rows whole and so scales them itself
+        (rmsnorm.cu: rows of one leaf whose block fits its shared memory)."""
+        return n <= LEAF and min(M, NORM_ROWS) * (_cdiv(n, 32) * 32 + 4) * 4 <= self.norm_smem
 
     def _uniform_offsets(self, B, L):
         """Row offsets of B rows of L tokens (B + 1 int64) on the device, kept; the
@@ -744,6 +750,19 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             xd, wd, yd = self._on_device(sc, X), self._on_device(sc, W), sc(M * N)
             parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
             self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast)
+            self._finish(s, [(Y, yd)])
+        return Y
+
+    def _rmsnorm_rows(self, X, W, M, n, in_place=False):
+        """RMSNorm of M rows of n of host X with weight W on the device (identical); a
+        host result (tests). in_place: the output overwrites the rows."""
+        self._enter()
+        s = self.stream()
+        Y = _core.empty((M, n))
+        with _Scratch(self, s) as sc:
+            xd, wd, r = self._on_device(sc, X), self._on_device(sc, W), sc(M)
+            yd = xd if in_place else sc(M * n)
+            self._rmsnorm(s.cu, False, M, n, xd, wd, yd, r)
             self._finish(s, [(Y, yd)])
         return Y
 

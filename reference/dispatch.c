@@ -20,6 +20,8 @@ DECLARE_ISA(int, mb_m3_backward, (const mb_m3_weights *, int64_t, int64_t, const
                                   const float *, const mb_m3_grads *))
 DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
                             const float *, int64_t, float *, int64_t))
+DECLARE_ISA(void, mb_rmsnorm_rows, (int64_t, int64_t, const float *, int64_t, const float *,
+                                    float *, int64_t))
 DECLARE_ISA(int, mb_math_eval, (int, int64_t, const float *, float *))
 DECLARE_ISA(float, mb_dot_eval, (int64_t, const float *, const float *))
 
@@ -120,6 +122,11 @@ void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
              const float *W, int64_t ldw, float *Y, int64_t ldy)
 {
     GUARDED(ISA(mb_gemm)(M, N, K, X, ldx, W, ldw, Y, ldy))
+}
+
+void mb_rmsnorm(int64_t M, int64_t n, const float *x, const float *w, float *out)
+{
+    GUARDED(ISA(mb_rmsnorm_rows)(M, n, x, n, w, out, n))
 }
 
 int mb_math_eval(int which, int64_t n, const float *x, float *y)

@@ -181,6 +181,9 @@ int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
 void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
              const float *W, int64_t ldw, float *Y, int64_t ldy);
 
+/* RMSNorm of M rows of n: out = (x * rsqrt(dot(x, x) / n + eps)) * w. */
+void mb_rmsnorm(int64_t M, int64_t n, const float *x, const float *w, float *out);
+
 /* Evaluate one numerics.h function elementwise (tests): which is an MB_MATH_* code. */
 enum {
     MB_MATH_EXP, MB_MATH_LOG1P, MB_MATH_SOFTPLUS, MB_MATH_SIGMOID, MB_MATH_SILU,

@@ -154,3 +154,16 @@ def refusals_after_launch(be, name):
     with pytest.raises(ValueError, match="x holds a non-finite value"):
         gpu.forward(be.copy(poisoned(time_slice(x, 2, 4), 7)), st)
     assert state_of(st) == kept, "a refused call changed the state"
+
+
+NORM_SHAPES = [(1, 2048), (5, 64), (33, 384), (40, 1000), (3, 9000)]
+
+
+def rmsnorm_rows(be, M, n):
+    """The device RMSNorm (rows held whole and scaled by mb_rms_k, or streamed through
+    its ring with and without mb_dot's tree past 8192 terms, then mb_rms_scale_k) gives
+    the C reference's bits, also written over its input."""
+    X, W = rand((M, n), 50), rand((n,), 51)
+    want = raw(_core._rmsnorm(X, W, M, n))
+    assert raw(be._rmsnorm_rows(X, W, M, n)) == want
+    assert raw(be._rmsnorm_rows(X, W, M, n, in_place=True)) == want

@@ -18,8 +18,9 @@ from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
-from device_lanes import (REPORTS, SSD_SESSIONS, assert_same, frees_during_capture, host,
-                          poisoned, refusals_after_launch, ssd_session_graph, state_of)
+from device_lanes import (NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same, frees_during_capture,
+                          host, poisoned, refusals_after_launch, rmsnorm_rows, ssd_session_graph,
+                          state_of)
 
 FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
 
@@ -271,6 +272,11 @@ def test_gemm(be, M, N, K):
     """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves."""
     X, W = rand((M, K), M), rand((N, K), N)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
+
+
+@pytest.mark.parametrize("M,n", NORM_SHAPES)
+def test_rmsnorm_rows(be, M, n):
+    rmsnorm_rows(be, M, n)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -17,8 +17,8 @@ import mamba
 from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
-from device_lanes import (SSD_SESSIONS, frees_during_capture, refusals_after_launch,
-                          ssd_session_graph)
+from device_lanes import (NORM_SHAPES, SSD_SESSIONS, frees_during_capture, refusals_after_launch,
+                          rmsnorm_rows, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -238,6 +238,12 @@ def test_gemm_leaves_match_reference(be, M, K):
     N = 20
     X, W = rand((M, K), 10 + K % 7), rand((N, K), 20 + K % 5)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,n", NORM_SHAPES)
+def test_rmsnorm_rows(be, M, n):
+    rmsnorm_rows(be, M, n)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
-/* RMSNorm rows (SPEC 5 step 1), the GPU twin of reference/norm.c, in two kernels:
- * mb_rms_k gives each row's r = rsqrt(dot(x, x) / n + eps), mb_rms_scale_k writes
- * (x * r) * w over the whole grid. A serial chain cannot be split, so rows run side
- * by side instead: a block takes RN_ROWS rows and lane r of warp 0 walks dot v1 of
- * row r. Rows that fit the block's shared memory whole in one leaf (a decode
- * step's few rows) are copied at once and walked without a barrier; longer rows
+/* RMSNorm rows (SPEC 5 step 1), the GPU twin of reference/norm.c: mb_rms_k gives
+ * each row's r = rsqrt(dot(x, x) / n + eps), and (x * r) * w is written by mb_rms_k
+ * itself for rows it holds whole, else by mb_rms_scale_k over the whole grid. A
+ * serial chain cannot be split, so rows run side by side instead: a block takes
+ * RN_ROWS rows and lane r of warp 0 walks dot v1 of row r. Rows of one leaf that fit
+ * the block's shared memory whole (a decode step's few rows, short prefill rows) are
+ * copied at once and walked without a barrier, then scaled from there; longer rows
  * stream through a ring of shared-memory stages (cp.async), issued by the other
  * warps, so the chains never wait on global memory, and past 8192 terms join their
  * leaves with mb_dot's tree.
@@ -27,8 +28,9 @@ MB_DEV void rms_store(float *r, int64_t m, int64_t n, float ss)
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
  * rows of a quarter-warp's float4 reads fall in distinct banks) */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
-                      int ld, float *sm, float *r)
+                      int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
 {
+    __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
     mb_stage_rows(sm, ld, xb, ldx, rows, (int)(n + 3) / 4 * 4, 0, n, vec, tid, RN_THREADS);
     mb_cp_commit();
@@ -40,6 +42,12 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
         float acc = mb_chain_tile<true>(0.0f, t, t, n16);
         for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
         rms_store(r, m0 + tid, n, acc);
+        rr[tid] = r[m0 + tid];
+    }
+    __syncthreads();
+    for (int64_t i = tid; i < rows * n; i += RN_THREADS) {
+        const int64_t m = i / n, j = i % n;
+        out[(m0 + m) * ldo + j] = (sm[m * ld + j] * rr[m]) * w[j];
     }
     __syncthreads();
 }
@@ -93,17 +101,22 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
     __syncthreads();
 }
 
+/* out: rows ldo apart, written here when the rows are held whole (every block's, as
+ * _cuda.py _norm_whole decides alike); it may be x itself */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
-mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r)
+mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
+         int64_t ldo)
 {
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
+    const bool whole = n <= MB_DOT_LEAF &&
+                       (M < RN_ROWS ? M : RN_ROWS) * ld <= RN_STAGES * RN_ROWS * RN_LD;
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
         const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
-        if (n <= MB_DOT_LEAF && rows * ld <= RN_STAGES * RN_ROWS * RN_LD)
-            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r);
+        if (whole)
+            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo);
         else if (n > MB_DOT_LEAF)
             rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
         else

@@ -82,7 +82,7 @@ mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
  * chunk c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
  * S's terms are (B_j[m] * dec_j) (x_j[p] * dt_j), each product rounded once as in
  * block2.c. */
-MB_KERNEL void MB_BOUNDS(SSD_FOLD_THREADS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
 mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
              const float *dt, const float *cs, const float *hin, float *out, float *E)
 {
