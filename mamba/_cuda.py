@@ -597,8 +597,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
     def _norm_whole(self, M, n):
         """Whether mb_rms_k holds every block's rows whole and so scales them itself
-        (rmsnorm.cu: rows of one leaf whose block fits its shared memory)."""
-        return n <= LEAF and min(M, NORM_ROWS) * (_cdiv(n, 32) * 32 + 4) * 4 <= self.norm_smem
+        (rmsnorm.cu: rows of one leaf whose block fits its shared memory with w)."""
+        whole = min(M, NORM_ROWS) * (_cdiv(n, 32) * 32 + 4) + _cdiv(n, 4) * 4
+        return n <= LEAF and 4 * whole <= self.norm_smem
 
     def _uniform_offsets(self, B, L):
         """Row offsets of B rows of L tokens (B + 1 int64) on the device, kept; the

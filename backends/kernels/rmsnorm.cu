@@ -26,13 +26,16 @@ MB_DEV void rms_store(float *r, int64_t m, int64_t n, float ss)
 }
 
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
- * rows of a quarter-warp's float4 reads fall in distinct banks) */
+ * rows of a quarter-warp's float4 reads fall in distinct banks), w staged with them
+ * so that the scaling reads shared memory only */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
 {
     __shared__ float rr[RN_ROWS];
-    const int tid = threadIdx.x;
-    mb_stage_rows(sm, ld, xb, ldx, rows, (int)(n + 3) / 4 * 4, 0, n, vec, tid, RN_THREADS);
+    const int tid = threadIdx.x, n4 = (int)(n + 3) / 4 * 4;
+    float *sw = sm + rows * ld;
+    mb_stage_rows(sm, ld, xb, ldx, rows, n4, 0, n, vec, tid, RN_THREADS);
+    mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, RN_THREADS);
     mb_cp_commit();
     mb_cp_wait<0>();
     __syncthreads();
@@ -45,10 +48,9 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
         rr[tid] = r[m0 + tid];
     }
     __syncthreads();
-    for (int64_t i = tid; i < rows * n; i += RN_THREADS) {
-        const int64_t m = i / n, j = i % n;
-        out[(m0 + m) * ldo + j] = (sm[m * ld + j] * rr[m]) * w[j];
-    }
+    for (int m = 0; m < rows; m++)
+        for (int j = tid; j < n; j += RN_THREADS)
+            out[(m0 + m) * ldo + j] = (sm[m * ld + j] * rr[m]) * sw[j];
     __syncthreads();
 }
 
@@ -109,8 +111,8 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
 {
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
-    const bool whole = n <= MB_DOT_LEAF &&
-                       (M < RN_ROWS ? M : RN_ROWS) * ld <= RN_STAGES * RN_ROWS * RN_LD;
+    const bool whole = n <= MB_DOT_LEAF && (M < RN_ROWS ? M : RN_ROWS) * ld + (n + 3) / 4 * 4 <=
+                                              RN_STAGES * RN_ROWS * RN_LD;
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
         const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
         const float *xb = x + m0 * ldx;
