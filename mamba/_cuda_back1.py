@@ -5,10 +5,6 @@ from . import _cuda_grad
 
 NS, TC = 16, 32                  # back1.cu: NS, M1B_TC
 LANE_CH = 8                      # back1.cu M1B_SCH: channels per block of the lane kernels
-GROUP, SUB = 16, 16              # back1.cu M1B_G, M1B_SG (mb_m1b_chunk_k)
-CHUNK_THREADS = GROUP * NS
-_TOK, _BUF = GROUP * (NS + 4) + 16, 4 * TC * GROUP + GROUP * (NS + 4)
-CHUNK_SMEM = 4 * ((TC + 2 * SUB) * _TOK + 2 * _BUF + TC * 2 * NS)  # back1.cu M1B_SMEM
 GRID_Y = 65535
 _KERNELS = ("mb_m1b_prep_k", "mb_m1b_gate_k", "mb_m1b_dhc_k", "mb_m1b_lead_k", "mb_m1b_fwd_k",
             "mb_m1b_chunk_k", "mb_m1b_alog_k", "mb_m1b_du_k")
@@ -16,8 +12,17 @@ _KERNELS = ("mb_m1b_prep_k", "mb_m1b_gate_k", "mb_m1b_dhc_k", "mb_m1b_lead_k", "
 _cdiv = _cuda_grad._cdiv
 
 
+def chunk_shape(group):
+    """(threads, bytes of dynamic shared memory) of mb_m1b_chunk_k with `group`
+    channels a group (back1.cu M1B_G; its sub-groups hold as many tokens)."""
+    tok, buf = group * (NS + 4) + 16, 4 * TC * group + group * (NS + 4)
+    return group * NS, 4 * ((TC + 2 * group) * tok + 2 * buf + TC * 2 * NS)  # M1B_SMEM
+
+
 class Back1Mixin:
     """CudaBackend.m1_backward."""
+
+    m1b_group = 16  # back1.cu M1B_G under nvcc
 
     # Bytes of the scan's carries (dh and h every 32 tokens of a run of whole rows, a
     # window): the scan's memory past the activations stays bounded for any B * L. The
@@ -31,7 +36,7 @@ class Back1Mixin:
         same identical path (the block passes no mode): the backward has no faster
         schedule, so fast mode's accuracy promise holds with the identical bits."""
         from . import _cuda as C
-        self._kernels(*_KERNELS, smem={"mb_m1b_chunk_k": CHUNK_SMEM})
+        self._kernels(*_KERNELS, smem={"mb_m1b_chunk_k": chunk_shape(self.m1b_group)[1]})
         self._enter()
         st = self.stream()
         s = st.cu
@@ -118,9 +123,10 @@ class Back1Mixin:
             nleaves = (m1 - 1) // C.LEAF - m0 // C.LEAF + 1
             self._launch(s, "mb_m1b_fwd_k", (lanes, min(nleaves, GRID_Y)), LANE_CH * NS, L, di,
                          R, b0, nb, delta, u, dys, xdbl, A_log, dhk, hL, hk, leaves)
-            self._launch(s, "mb_m1b_chunk_k", (nb * nch,), CHUNK_THREADS, L, di, R, b0, nb, M,
+            threads, smem = chunk_shape(self.m1b_group)
+            self._launch(s, "mb_m1b_chunk_k", (nb * nch,), threads, L, di, R, b0, nb, M,
                          delta, u, xz, xdbl, spre, dyg, dys, A_log, D, dhk, hk, yg, dxz, ds, dus,
-                         dxdbl, cparts, smem=CHUNK_SMEM)
+                         dxdbl, cparts, smem=smem)
         if Pc > 1:  # dB, dC past 8192 channels: join their leaves
             self._launch(s, "mb_dot_fold_k", (self._grid(M * 2 * NS),), C.THREADS, Pc, M,
                          2 * NS, cparts, M * 2 * NS, _cuda_grad._addr(dxdbl) + 4 * R, R + 2 * NS,

@@ -17,7 +17,7 @@ import types
 import pytest
 
 import mamba
-from mamba import _backends, _cuda, _hip
+from mamba import _backends, _cuda, _cuda_back1, _cuda_back3, _hip
 
 # EF_AMDGPU_MACH values (the low byte of e_flags) of the default hip_targets
 MACH = {"gfx90a": 0x3F, "gfx942": 0x4C, "gfx1100": 0x41}
@@ -100,12 +100,16 @@ def test_kernels_fit_amd_lds_without_opt_in():
     """HipBackend sets no dynamic shared memory attribute: an AMD kernel may use up to
     64 KiB of LDS without one. Its ring stages are those hipcc compiled (vendor.h)."""
     be = _hip.HipBackend.__new__(_hip.HipBackend)  # the sizes need no device
-    assert max(be.gemv_smem, be.norm_smem) <= 64 * 1024
-    vendor = os.path.join(os.path.dirname(__file__), "..", "backends", "kernels", "vendor.h")
-    if not os.path.exists(vendor):
-        pytest.skip("tests run outside the source tree: vendor.h is not here to compare")
-    m = re.search(r"#if defined\(__HIPCC__\)\s*#define MB_STAGES (\d+)", open(vendor).read())
-    assert m and int(m.group(1)) == _hip.HipBackend.stages
+    assert max(be.gemv_smem, be.norm_smem, _cuda_back1.chunk_shape(be.m1b_group)[1],
+               _cuda_back3.CHUNK_SMEM) <= 64 * 1024
+    kernels = os.path.join(os.path.dirname(__file__), "..", "backends", "kernels")
+    if not os.path.exists(kernels):
+        pytest.skip("tests run outside the source tree: the kernels are not here to compare")
+    for f, macro, want in (("vendor.h", "MB_STAGES", be.stages),
+                           ("back1.cu", "M1B_G", be.m1b_group)):
+        m = re.search(r"#if defined\(__HIPCC__\)\s*#define %s (\d+)" % macro,
+                      open(os.path.join(kernels, f)).read())
+        assert m and int(m.group(1)) == want, f"{f}: {macro} under hipcc"
 
 
 # ------------------------------------------------------------------ detection

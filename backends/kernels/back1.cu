@@ -27,8 +27,14 @@
 #define M1B_TC 32               /* tokens per chunk (any value gives the same bits) */
 #define M1B_SCH 8               /* channels per block of the lane kernels */
 #define M1B_LT (M1B_SCH * NS)   /* their threads */
-#define M1B_G 16                /* channels per group of mb_m1b_chunk_k */
-#define M1B_SG 16               /* tokens per sub-group of it */
+/* channels per group of mb_m1b_chunk_k (any value gives the same bits): under hipcc
+ * its shared memory stays within AMD's 64 KiB of LDS (_hip.py m1b_group) */
+#if defined(__HIPCC__)
+#define M1B_G 8
+#else
+#define M1B_G 16
+#endif
+#define M1B_SG M1B_G            /* tokens per sub-group of it: one a lane row */
 #define M1B_CT (M1B_G * NS)     /* its threads */
 /* Rows of 16 states padded to M1B_P floats, tokens to M1B_TOK (16 banks apart), so
  * that a lane's column, a channel's row (float4) and a state's column of a token pair
