@@ -260,6 +260,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     give host outputs, device inputs give device outputs."""
     name = "cuda"
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
+    tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
 
     @property
     def gemv_smem(self):
@@ -548,15 +549,16 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
-        blocks; a narrow N a tile that covers it. fast: TF32 tensor cores; up to 8
-        rows the split-K GEMV, up to 64 the chain GEMV."""
+        blocks; a narrow N a tile that covers it. fast: TF32 tensor cores (where the
+        backend has them, else the identical GEMM); up to 8 rows the split-K GEMV, up
+        to 64 the chain GEMV."""
         if M == 0 or N == 0:
             return
         if fast and M <= FAST_GEMV_MAX_M:
             self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
                          M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard)
             return
-        if fast and M > GEMV_MAX_M:
+        if fast and M > GEMV_MAX_M and self.tensor_cores:
             assert not guard
             self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_BN), _cdiv(M, TF32_BM)),
                          TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy,
