@@ -435,11 +435,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         # the block's device copies: refresh_weights replaces them, never edits them
         return block._dev_w
 
-    def first_nonfinite(self, a):
-        """Flat index of the first NaN or +-inf of a device array, or -1 (waits for
-        the current stream)."""
-        return self.first_nonfinite_later([a])()[0]
-
     def first_nonfinite_later(self, arrays):
         """Queue the search for the first NaN or +-inf of each device array on the
         current stream; returns wait(), which blocks until the answers (flat
@@ -591,15 +586,17 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, "mb_fast_rmsnorm_k", (min(M, 64 * self.sms),), FAST_THREADS,
                          M, n, x, ldx, w, out, n)
             return
+        whole = self._norm_whole(M, n)
         self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
-                     M, n, x, ldx, r, w, out, n, smem=self.norm_smem)
-        if not self._norm_whole(M, n):
+                     M, n, x, ldx, r, w, out if whole else 0, n, smem=self.norm_smem)
+        if not whole:
             self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w,
                          out, n)
 
     def _norm_whole(self, M, n):
-        """Whether mb_rms_k holds every block's rows whole and so scales them itself
-        (rmsnorm.cu: rows of one leaf whose block fits its shared memory with w)."""
+        """Whether mb_rms_k can hold every block's rows whole, with w, and so scale
+        them itself: rows of one leaf, a block's (rmsnorm.cu: RN_ROWS of them, each
+        padded to 4 mod 32 floats) and w within its shared memory."""
         whole = min(M, NORM_ROWS) * (_cdiv(n, 32) * 32 + 4) + _cdiv(n, 4) * 4
         return n <= LEAF and 4 * whole <= self.norm_smem
 

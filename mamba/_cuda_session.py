@@ -18,7 +18,7 @@ input is checked on the host before it is uploaded.
 import ctypes
 import operator
 
-from . import _core, _cuda_ssd
+from . import _core, _cuda_ssd, _intake as chk
 from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
 from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
@@ -135,10 +135,7 @@ class _GraphSession:
             raise refused
         on_host = x.device == "cpu"
         if on_host:
-            i = _core.first_nonfinite(x)
-            if i >= 0:
-                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
-                                 f"flat index {i}")
+            chk.finite(x, what, "x")
         exe = self._prepare(s, x, what)
         if on_host:
             be._ck(cu.cuMemcpyHtoDAsync(self.x.ptr, x.ptr, self.nbytes, s.cu), "cuMemcpyHtoDAsync")
@@ -439,10 +436,7 @@ class M3Session(_SsdSession):
         # Input_States go into h before the step's fold: a refused step could not
         # take them back, so this step's x is checked first (a host x already was)
         if x.device != "cpu":
-            i = self.be.first_nonfinite(x)
-            if i >= 0:
-                raise ValueError(f"mamba {what}: x holds a non-finite value (NaN or inf) at "
-                                 f"flat index {i}")
+            chk.finite(x, what, "x")
         if self._pending_exec is None:
             self._pending_exec = self._capture(True)
         return self._pending_exec

@@ -163,6 +163,8 @@ def rmsnorm_rows(be, M, n):
     """The device RMSNorm (rows held whole and scaled by mb_rms_k, or streamed through
     its ring with and without mb_dot's tree past 8192 terms, then mb_rms_scale_k) gives
     the C reference's bits, also written over its input."""
+    assert {be._norm_whole(m, k) for m, k in NORM_SHAPES} == {False, True}, \
+        "the shapes take both paths"
     X, W = rand((M, n), 50), rand((n,), 51)
     want = raw(_core._rmsnorm(X, W, M, n))
     assert raw(be._rmsnorm_rows(X, W, M, n)) == want

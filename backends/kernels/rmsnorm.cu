@@ -20,9 +20,9 @@
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
-MB_DEV void rms_store(float *r, int64_t m, int64_t n, float ss)
+MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss)
 {
-    r[m] = mb_rsqrt(ss / (float)n + MB_EPS);
+    return r[m] = mb_rsqrt(ss / (float)n + MB_EPS);
 }
 
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
@@ -44,8 +44,7 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
         const int n16 = (int)n / 16 * 16;
         float acc = mb_chain_tile<true>(0.0f, t, t, n16);
         for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
-        rms_store(r, m0 + tid, n, acc);
-        rr[tid] = r[m0 + tid];
+        rr[tid] = rms_store(r, m0 + tid, n, acc);
     }
     __syncthreads();
     for (int m = 0; m < rows; m++)
@@ -103,21 +102,20 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
     __syncthreads();
 }
 
-/* out: rows ldo apart, written here when the rows are held whole (every block's, as
- * _cuda.py _norm_whole decides alike); it may be x itself */
+/* out (rows ldo apart, may be x itself): given only when the caller found that one
+ * leaf's rows of every block fit the shared memory whole with w (_cuda.py
+ * _norm_whole); they are then scaled here, else r alone is written */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
          int64_t ldo)
 {
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
-    const bool whole = n <= MB_DOT_LEAF && (M < RN_ROWS ? M : RN_ROWS) * ld + (n + 3) / 4 * 4 <=
-                                              RN_STAGES * RN_ROWS * RN_LD;
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
         const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
-        if (whole)
+        if (out)
             rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo);
         else if (n > MB_DOT_LEAF)
             rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
