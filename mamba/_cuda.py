@@ -56,6 +56,16 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_f
            "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
            "mb_fast_conv_step_k", "mb_fast_scan1_k")
+# Kernels that pass MB_GRID_WAIT() (vendor.h) in every thread: in a session's graph
+# each launches as a programmatic dependent of the kernel before it, so it starts
+# (and stages its weights) while that one runs.
+WAITS = frozenset((
+    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
+    "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
+    "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
+    "mb_m2_step_in_k", "mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k",
+    "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_fold_k", "mb_m3_pending_k",
+    "mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k"))
 NONE = 0xFFFFFFFFFFFFFFFF  # the guard word of a session with no refused step
 LEGACY, PER_THREAD = 1, 2  # stream numbers of the DLPack and array-interface protocols
 
@@ -261,6 +271,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     name = "cuda"
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
+    programmatic = False  # programmatic dependent launch (sm_90 and later)
 
     @property
     def gemv_smem(self):
@@ -302,11 +313,17 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self.pool = self._ck(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
         self._ck(cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                                           cu.cuuint64_t(POOL_KEEP)), "cuMemPoolSetAttribute")
+        self._setup()
+        self.programmatic = major >= 9
+        self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
+
+    def _setup(self):
+        """The host state of a backend, on either vendor."""
         self._offsets = {}
         self._capture = None
         self._capturing, self._released = 0, []
         self._readbacks, self._lock = [], threading.Lock()
-        self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
+        self._chain = None  # the capturing stream whose last node is a kernel
 
     # ------------------------------------------------------------ driver plumbing
     def _ck(self, res, what):
@@ -344,13 +361,34 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                 smem), f"cuFuncSetAttribute({name})")
 
     def _launch(self, s, name, grid, block, *args, smem=0):
-        """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct."""
+        """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct.
+        During a capture, a kernel of WAITS right after another kernel launches as its
+        programmatic dependent (sm_90)."""
         vals = [a if isinstance(a, ctypes.Structure) else
                 ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
-                                        ctypes.addressof(params), 0), name)
+        cu, key = self.cu, int(s)
+        if self._chain == key and name in WAITS:
+            cfg, attr = cu.CUlaunchConfig(), cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+            cfg.sharedMemBytes, cfg.hStream = smem, s
+            cfg.attrs, cfg.numAttrs = [attr], 1
+            self._ck(cu.cuLaunchKernelEx(cfg, self.fn[name], ctypes.addressof(params), 0), name)
+        else:
+            self._ck(cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
+                                       ctypes.addressof(params), 0), name)
+        if self._capturing and self.programmatic:
+            self._chain = key
+
+    def _fill32(self, s, p, value, n):
+        """n 32-bit words at p set to value, on stream s (a node of its own in a
+        capture: the next kernel does not launch as a programmatic dependent)."""
+        self._ck(self.cu.cuMemsetD32Async(p, value, n, s), "cuMemsetD32Async")
+        self._chain = None
 
     def _grid(self, n, threads=THREADS):
         """Blocks for a grid-stride loop over n items."""
@@ -400,8 +438,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if like is None or like.device != self.name:
             return _core.zeros(shape)
         a = self.empty(shape, like)
-        self._ck(self.cu.cuMemsetD32Async(a.ptr, 0, a.size, self.stream().cu),
-                 "cuMemsetD32Async")
+        self._fill32(self.stream().cu, a.ptr, 0, a.size)
         return a
 
     def copy(self, a):
@@ -731,10 +768,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def capturing(self):
         """The span of a graph capture, with the frees it held back run at its end."""
         self._capturing += 1
+        self._chain = None
         try:
             yield self._capture_stream()
         finally:
             self._capturing -= 1
+            self._chain = None
             if not self._capturing:
                 held, self._released = self._released, []
                 for free in held:

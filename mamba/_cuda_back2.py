@@ -67,7 +67,7 @@ class Back2Mixin:
                     S, h0 = t(NC * H * per), t(B * H * per)
                     self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
                                  I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
-                    self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s), "cuMemsetD32Async")
+                    self._fill32(s, h0, 0, B * H * per)
                     self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,
                                  B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
                 Y = dY = f(M * di)  # Y before the gate, then its gradient in place

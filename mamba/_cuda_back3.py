@@ -67,7 +67,7 @@ class Back3Mixin:
                 self._launch(s, "mb_m3_prep_k", rows(L * (H + NA), B), THREADS,
                              B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
                              B_bias, C_bias, DT, SIG, ADT, QKG, TA)
-                self._ck(self.cu.cuMemsetD32Async(theta, 0, B * H * NA, s), "cuMemsetD32Async")
+                self._fill32(s, theta, 0, B * H * NA)
                 self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, 0)
                 self._launch(s, "mb_m3b_rotate_k", (self._grid(M * H * NA),), THREADS,
@@ -80,8 +80,7 @@ class Back3Mixin:
                                  B, I["off"], I["eoff"], I["t0"], di, zx + 4 * di, NP, V)
                     S, Ec, hck = inner(NC * H * per), inner(NC * H), inner(NC * H * per)
                     h0 = inner(B * H * per)
-                    self._ck(self.cu.cuMemsetD32Async(h0, 0, B * H * per, s),
-                             "cuMemsetD32Async")
+                    self._fill32(s, h0, 0, B * H * per)
                     self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
                                  I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
                     self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), THREADS,

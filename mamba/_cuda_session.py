@@ -221,7 +221,7 @@ class _SsdSession(_GraphSession):
         self.block, self.state, self.B, self.dm = block, state, B, dm
         self.ctl = self.alloc(4)
         s = be.stream()
-        be._ck(be.cu.cuMemsetD32Async(self.ctl, 0, 4, s.cu), "cuMemsetD32Async")
+        be._fill32(s.cu, self.ctl, 0, 4)
         self._whole(s)
         self.base, self.base_step = None, 0
         self.report = None
@@ -245,8 +245,7 @@ class _SsdSession(_GraphSession):
                       zip(self.SCALARS, (operator.index, bool)))
         if self.base is None or given != self._count():  # opened, or load_state
             self.base, self.base_step = given, self.steps
-            self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl, given[0], 1, s.cu),
-                        "cuMemsetD32Async")
+            self.be._fill32(s.cu, self.ctl, given[0], 1)
         return self.exec
 
     def _stepped(self):
@@ -266,7 +265,7 @@ class _SsdSession(_GraphSession):
     def _whole(self, s):
         """Have the next step rebuild what the session carries between steps from the
         state (ctl[1])."""
-        self.be._ck(self.be.cu.cuMemsetD32Async(self.ctl + 8, 1, 1, s.cu), "cuMemsetD32Async")
+        self.be._fill32(s.cu, self.ctl + 8, 1, 1)
 
     def _settling(self, s):
         if self.report is not None and self.block._report is self.report:
@@ -388,7 +387,7 @@ class M3Session(_SsdSession):
         scal, off = a(8), a(2 * (B + 1))
         fdesc, ydesc, self.rep, self.last_row = a(12 * B), a(12 * B), a(12 * B), a(2 * B)
         zero = a(2 * B)
-        be._ck(be.cu.cuMemsetD32Async(zero, 0, 2 * B, be.stream().cu), "cuMemsetD32Async")
+        be._fill32(be.stream().cu, zero, 0, 2 * B)
         new = I["off"]  # the new token's row b is row b of the rows of its own
         g, L = self.guard.ptr, be._launch
 
@@ -411,7 +410,7 @@ class M3Session(_SsdSession):
                 L(cs, "mb_m3_pending_k", (be._grid(B * H * HP * NS),), THREADS,
                   B, H, new, dtn, sgn, pk, pv, h)
                 for p, n in ((pk, B * H * NS), (pv, B * H * HP)):
-                    be._ck(be.cu.cuMemsetD32Async(p, 0, n, cs), "cuMemsetD32Async")
+                    be._fill32(cs, p, 0, n)
             L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 3)),),  # a seal loops
               THREADS, B, H, scal, qn, kn, vn, dtn, sgn, adn, bq, bk, bv, bdt, bsg, bad,
               sk, sv, sdt, ssg, sad)

@@ -350,7 +350,7 @@ class SsdMixin:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
                              B, H, I["eoff"], DT, SIG, pk, pv, h)
                 for a, n in ((pk, B * H * NS), (pv, B * H * HP)):
-                    self._ck(self.cu.cuMemsetD32Async(a, 0, n, s), "cuMemsetD32Async")
+                    self._fill32(s, a, 0, n)
             # the chunks, a group of rows at a time (their states S, which the state
             # pass overwrites with the state entering each chunk, as for Mamba-2):
             # sealed ones' contractions, the state pass, the outputs

@@ -188,8 +188,7 @@ class HipBackend(_cuda.CudaBackend):
         self._ck(hip.hipMemPoolSetAttribute(
             self.pool, hip.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold, ctypes.addressof(keep)),
             "hipMemPoolSetAttribute")
-        self._offsets = {}
-        self._capture = None
+        self._setup()
         self.description = f"device 0: {gpu} ({arch}, {cus} CUs)"
 
     def _enter(self):

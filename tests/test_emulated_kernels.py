@@ -6,14 +6,16 @@ every block, the backward of every block, device arrays and decode sessions. A
 kernel built with one deliberately wrong expression must be caught, and every kernel
 of the library must have run. Skipped only where g++ (or, in a copy of tests/, the
 kernel sources) is missing. Numpy-free."""
+import glob
 import math
 import os
+import re
 
 import pytest
 
 import emu
 import mamba
-from mamba import _backends, _core, _cuda_ssd
+from mamba import _backends, _core, _cuda, _cuda_ssd
 from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
@@ -187,6 +189,32 @@ def test_device_state_and_session(be, name):
             got += [(f"{r} {t}", host(getattr(gpu, r))) for r in REPORTS[name]]
             want += [(f"{r} {t}", raw(getattr(cpu, r))) for r in REPORTS[name]]
     assert_same(got + state_of(st_d), want + state_of(st_c), f"{name} on device")
+
+
+def test_programmatic_kernels_wait():
+    """The kernels a session launches as programmatic dependents (_cuda.WAITS) are
+    those whose source passes MB_GRID_WAIT() (the emulated driver checks that every
+    thread of such a launch does)."""
+    waits = set()
+    for path in glob.glob(os.path.join(emu.KERNELS, "*.cu")):
+        src = open(path).read()
+        for head, body in zip(re.finditer(r"MB_KERNEL[^;{]*?\b(mb_\w+_k)\s*\(", src),
+                              re.split(r"MB_KERNEL", src)[1:]):
+            if "MB_GRID_WAIT()" in body:
+                waits.add(head.group(1))
+    assert waits == set(_cuda.WAITS)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_session_launches_dependents(be, name):
+    """A session's graph launches its kernels after the first as programmatic
+    dependents, which the emulated driver checks."""
+    blk = make(name, backend="cuda")
+    st = blk.allocate_state(2)
+    before = be.cu.dependents
+    with blk.decode_session(st) as sess:
+        sess.step(rand((2, 1, blk.d_model), 3))
+    assert be.cu.dependents > before
 
 
 @pytest.mark.parametrize("name,B", SSD_SESSIONS)

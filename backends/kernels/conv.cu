@@ -108,6 +108,7 @@ MB_KERNEL void mb_conv_step_k(int64_t B, int64_t C, const float *in, int64_t ldi
                               const float *w, const float *bias, float *u, int64_t ldu,
                               const unsigned long long *guard)
 {
+    MB_GRID_WAIT();
     conv_step<mb_identical>(B, C, in, ldi, window, w, bias, u, ldu, guard);
 }
 
@@ -115,6 +116,7 @@ MB_KERNEL void mb_fast_conv_step_k(int64_t B, int64_t C, const float *in, int64_
                                    float *window, const float *w, const float *bias, float *u,
                                    int64_t ldu, const unsigned long long *guard)
 {
+    MB_GRID_WAIT();
     conv_step<mb_fast>(B, C, in, ldi, window, w, bias, u, ldu, guard);
 }
 

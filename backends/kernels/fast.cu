@@ -165,6 +165,7 @@ mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
                int64_t ldw, float *Y, int64_t ldy, const float *res, int64_t ldr,
                const unsigned long long *guard)
 {
+    MB_GRID_WAIT();
     const int lane = threadIdx.x % 32;
     const int64_t n = (int64_t)blockIdx.x * (FG_THREADS / 32) + threadIdx.x / 32;
     if (n >= N) return;
@@ -221,6 +222,7 @@ MB_KERNEL void MB_BOUNDS(FN_THREADS)
 mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *w,
                   float *out, int64_t ldo)
 {
+    MB_GRID_WAIT();
     __shared__ float part[FN_THREADS / 32];
     __shared__ float r;
     const int tid = threadIdx.x, lane = tid % 32;

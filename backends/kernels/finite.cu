@@ -23,6 +23,7 @@ MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long 
 MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long *g,
                                volatile unsigned long long *host)
 {
+    MB_GRID_WAIT();
     __shared__ unsigned long long first;
     if (threadIdx.x == 0) first = ~0ull;
     __syncthreads();

@@ -255,17 +255,20 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     const int ltid = tid - first, lthreads = GV_THREADS - first;
     Y += (int64_t)blockIdx.z * ldleaf;
 
+#define MB_GV_STAGE(c, Rs, R, ld, rows, vec, nr)                                      \
+    if (ltid >= 0)                                                                    \
+        mb_stage_rows(Rs + (c) % GV_STAGES * nr * GV_LD, GV_LD, R, ld, rows, GV_KC,    \
+                      k0 + (int64_t)(c) * GV_KC, k1, vec, ltid, lthreads);
 #define MB_GV_ISSUE(c)                                                                \
-    if (ltid >= 0) {                                                                  \
-        const int slot = (c) % GV_STAGES;                                             \
-        const int64_t kt = k0 + (int64_t)(c) * GV_KC;                                 \
-        mb_stage_rows(Ws + slot * GV_ROWS * GV_LD, GV_LD, Wb, ldw, nrows, GV_KC, kt, k1, vw, \
-                      ltid, lthreads);                                                \
-        mb_stage_rows(Xs + slot * GV_MROWS * GV_LD, GV_LD, Xb, ldx, mrows, GV_KC, kt, k1, vx, \
-                      ltid, lthreads);                                                \
-    }
+    MB_GV_STAGE(c, Ws, Wb, ldw, nrows, vw, GV_ROWS)                                   \
+    MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+    /* the weights' first stages are copied while the previous kernel may still run;
+     * they join the first stage's group of copies */
+    for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
+        MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
+    MB_GRID_WAIT();
     for (int s = 0; s < GV_STAGES - 1; s++) {
-        if (s < chunks) MB_GV_ISSUE(s)
+        if (s < chunks) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
     }
     float acc = 0.0f;
@@ -287,6 +290,7 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         }
     }
 #undef MB_GV_ISSUE
+#undef MB_GV_STAGE
     mb_cp_wait<0>();
     if (live && lane < nrows) {
         const int64_t m = m0 + mw, n = n0 + lane;
@@ -302,6 +306,7 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
                              float *Y, int64_t ldy, const float *res, int64_t ldr,
                              const unsigned long long *guard)
 {
+    MB_GRID_WAIT();
     MB_GRID_LOOP(i, M * N) {
         const int64_t m = i / N, n = i % N;
         float v = mb_dot_fold(P, parts + i, ldp);

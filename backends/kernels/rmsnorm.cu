@@ -109,6 +109,7 @@ MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
          int64_t ldo)
 {
+    MB_GRID_WAIT();
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
@@ -127,6 +128,7 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
 MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *r,
                               const float *w, float *out, int64_t ldo)
 {
+    MB_GRID_WAIT();
     MB_GRID_LOOP(i, M * n) {
         const int64_t m = i / n, j = i % n;
         out[m * ldo + j] = (x[m * ldx + j] * r[m]) * w[j];

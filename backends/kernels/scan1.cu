@@ -88,11 +88,13 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
 
 MB_KERNEL void mb_scan1_k(MB_SCAN1_ARGS)
 {
+    MB_GRID_WAIT();
     scan1<mb_identical>(B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard);
 }
 
 MB_KERNEL void mb_fast_scan1_k(MB_SCAN1_ARGS)
 {
+    MB_GRID_WAIT();
     scan1<mb_fast>(B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard);
 }
 

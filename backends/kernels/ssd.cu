@@ -121,6 +121,7 @@ MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const 
 MB_KERNEL void mb_ssd_put_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                             int64_t W, const float *src, int64_t ld, float *ext)
 {
+    MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], e = eoff[b] + t0[b];
         MB_GRID_LOOP(i, (off[b + 1] - o) * W) {

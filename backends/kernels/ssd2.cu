@@ -86,6 +86,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
 mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
              const float *dt, const float *cs, const float *hin, float *out, float *E)
 {
+    MB_GRID_WAIT();
     __shared__ float dec[M2Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;

@@ -38,6 +38,7 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
                             const float *B_bias, const float *C_bias, float *DT, float *SIG,
                             float *ADT, float *QKG, float *TA)
 {
+    MB_GRID_WAIT();
     const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H, oANG = oTR + H;
     const int64_t W = H + M3A;
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
@@ -135,6 +136,7 @@ MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const in
                               const int64_t *t0, const float *TA, const float *DT, float *theta,
                               float *Q, float *theta_last)
 {
+    MB_GRID_WAIT();
     MB_GRID_LOOP(i, B * H * M3A) {
         const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
         const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
@@ -167,6 +169,7 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
                               const int64_t *t0, const float *Bn, const float *Cn,
                               const float *B_bias, const float *C_bias, float *Q, float *K)
 {
+    MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], e0 = eoff[b] + t0[b];
         MB_GRID_LOOP(j, (off[b + 1] - o) * H * M3A) {
@@ -183,6 +186,7 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
 MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const float *DT,
                                const float *SIG, const float *pk, const float *pv, float *h)
 {
+    MB_GRID_WAIT();
     const int64_t per = SSD_HP * SSD_NS;
     MB_GRID_LOOP(i, B * H * per) {
         const int64_t bh = i / per, b = bh / H, hh = bh % H, p = (i % per) / SSD_NS, m = i % SSD_NS;
@@ -209,6 +213,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
 mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
              const float *SIG, const float *ADT, const float *hin, float *out, float *E)
 {
+    MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;

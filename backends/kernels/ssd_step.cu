@@ -68,6 +68,7 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
                                const int64_t *ctl, float *bx, float *bd, float *dt, float *dA,
                                float *cs, int64_t *scal, int64_t *desc, int64_t *rep)
 {
+    MB_GRID_WAIT();
     const int64_t t = ctl[0], from = ctl[1] ? 0 : t;
     const bool refused = mb_refused(guard);
     const int64_t n = refused ? t : t + 1, fold = n == STEP_Q2;
@@ -117,6 +118,7 @@ MB_KERNEL void MB_BOUNDS(STEP_CBT)
 mb_m2_step_cb_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
                 const float *h, float *G, float *Yo)
 {
+    MB_GRID_WAIT();
     __shared__ __align__(16) float rows[STEP_CB][SSD_NS + 4];
     __shared__ __align__(16) float Ct[SSD_NS];
     const int64_t b = blockIdx.y, *d = desc + b * MB_DESC;
@@ -162,6 +164,7 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
                const float *E, const float *S, const float *zx, int64_t NP, const float *G,
                const float *Yo, float *h, float *seg, float *yb)
 {
+    MB_GRID_WAIT();
     __shared__ __align__(16) float Xs[STEP_Q2][STEP_PC];
     __shared__ float Mt[STEP_Q2], dts[STEP_Q2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
@@ -221,6 +224,7 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
 MB_KERNEL void mb_m2_step_close_k(int64_t B, int64_t H, int64_t CD, const int64_t *scal,
                                   int64_t *ctl, float *bx, float *bd)
 {
+    MB_GRID_WAIT();
     if (scal[1]) {
         MB_GRID_LOOP(i, B * STEP_Q2 * (CD + H)) {
             if (i < B * STEP_Q2 * CD)
@@ -249,6 +253,7 @@ MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int
                                  int64_t *scal, int64_t *off, int64_t *fdesc, int64_t *ydesc,
                                  int64_t *rep, int64_t *last)
 {
+    MB_GRID_WAIT();
     const int64_t t = ctl[0], whole = ctl[1];
     const bool refused = mb_refused(guard);
     const int64_t seal = !refused && t == M3Q, w = t == M3Q ? 0 : t;
@@ -306,6 +311,7 @@ MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, cons
                                  float *bv, float *bdt, float *bsg, float *bad, float *sk,
                                  float *sv, float *sdt, float *ssg, float *sad)
 {
+    MB_GRID_WAIT();
     if (scal[2]) return;
     const bool seal = scal[0] != 0;
     const int64_t w = scal[1], rows = seal ? M3Q : 1, WQ = H * SSD_NS, WV = H * SSD_HP;
@@ -348,6 +354,7 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
                const float *ADT, const float *qg, const float *D, const float *zx,
                const float *E, const float *S, float *h, float *seg, float *yg)
 {
+    MB_GRID_WAIT();
     __shared__ __align__(16) float Vt[M3Q][SSD_HP];
     __shared__ __align__(16) float qs[SSD_NS];
     __shared__ float Mt[M3Q + 1], Ys[SSD_HP];

@@ -99,6 +99,21 @@ MB_DEV void mb_stage_rows(float *dst, int sld, const float *src, int64_t ld, int
 #define MB_QNAN __int_as_float(0x7fc00000)
 MB_DEV bool mb_refused(const unsigned long long *guard) { return guard && *guard != ~0ull; }
 
+/* Programmatic dependent launch (sm_90): a decode session's graph launches the
+ * kernels _cuda.WAITS names so that each may start while its predecessor runs; such
+ * a kernel lets its own successor start, then waits for its predecessor's results.
+ * Every thread must pass MB_GRID_WAIT() before touching memory other than weights,
+ * so a grid completes only after its predecessor did. Without the launch attribute
+ * (and on HIP) it returns at once. The emulation defines its own, which counts. */
+#ifndef MB_GRID_WAIT
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MB_GRID_WAIT() \
+    asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n" ::: "memory")
+#else
+#define MB_GRID_WAIT() ((void)0)
+#endif
+#endif
+
 /* First index of a grid-stride loop over n items in x, and its stride. */
 #define MB_GRID_LOOP(i, n)                                                          \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);       \

@@ -25,6 +25,11 @@ extern "C" void __syncthreads(void);
 extern "C" void mb_emu_warp_sync(void);
 extern "C" uint64_t mb_emu_lane[];  /* one exchange word per thread of the block */
 
+/* Counts the threads that pass it: the driver checks that a kernel launched as a
+ * programmatic dependent waits in every thread (vendor.h). */
+extern "C" void mb_emu_grid_wait(void);
+#define MB_GRID_WAIT() mb_emu_grid_wait()
+
 /* CUDA's __shfl_sync semantics: src is taken modulo width within the caller's
  * segment of width lanes. */
 template <class T> static inline T __shfl(T v, int src, int width = 32)

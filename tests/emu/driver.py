@@ -10,6 +10,7 @@ import types
 
 class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209
     CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_LAUNCH_FAILED = 719
@@ -36,7 +37,7 @@ class Driver:
     CUresult = CUresult
     CUdevice_attribute = CUfunction_attribute = CUmemAllocationType = _Names()
     CUmemLocationType = CUmemPool_attribute = CUpointer_attribute = _Names()
-    CUevent_flags = CUstreamCaptureMode = _Names()
+    CUevent_flags = CUstreamCaptureMode = CUlaunchAttributeID = _Names()
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CU_STREAM_LEGACY, CU_STREAM_PER_THREAD = 1, 2
     CU_MEMHOSTALLOC_DEVICEMAP = 2
@@ -57,6 +58,7 @@ class Driver:
         self.capture = {}    # stream -> the work recorded on it since cuStreamBeginCapture
         self.invalidated = False  # an unsafe call came during the captures in progress
         self.launched = set()
+        self.dependents = 0  # programmatic dependent launches
         self.error = b""
         self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
 
@@ -248,7 +250,32 @@ class Driver:
         return OK
 
     # ------------------------------------------------------------ launch
-    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    @staticmethod
+    def CUlaunchConfig():
+        return types.SimpleNamespace()
+
+    @staticmethod
+    def CUlaunchAttribute():
+        return types.SimpleNamespace(value=types.SimpleNamespace())
+
+    def cuLaunchKernelEx(self, cfg, fn, params, extra):
+        """A programmatic dependent launch (the only attribute the backend sets) is
+        checked: it follows a kernel in its capture, and every thread of the kernel
+        passes MB_GRID_WAIT() (vendor.h)."""
+        (attr,) = cfg.attrs[:cfg.numAttrs]
+        assert attr.id == "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+        assert attr.value.programmaticStreamSerializationAllowed == 1
+        self.dependents += 1
+        rec = self.capture.get(int(cfg.hStream))
+        if not rec or not getattr(rec[-1], "kernel", False):
+            self.error = f": {fn} launched as a programmatic dependent of no kernel".encode()
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return self.cuLaunchKernel(fn, cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX,
+                                   cfg.blockDimY, cfg.blockDimZ, cfg.sharedMemBytes,
+                                   cfg.hStream, params, extra, waits=True)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra,
+                       waits=False):
         k = self.kernels.get(fn)
         if k is None:
             self.error = f": {fn} is not in the emulation library".encode()
@@ -262,9 +289,15 @@ class Driver:
         self.launched.add(fn)
 
         def work(vals=vals):
+            counted = ctypes.c_ulonglong.in_dll(self.lib, "mb_emu_grid_waits")
+            before = counted.value
             err = self.lib.mb_emu_launch(k.run, args, gx, gy, gz, bx, smem)
+            if err is None and waits and counted.value - before != gx * gy * gz * bx:
+                err = (f"launched as a programmatic dependent, {counted.value - before} of "
+                       f"its {gx * gy * gz * bx} threads passed MB_GRID_WAIT()").encode()
             if err is None:
                 return OK
             self.error = f": {fn}: {err.decode()}".encode()
             return (CUresult.CUDA_ERROR_LAUNCH_FAILED,)
+        work.kernel = True
         return self._issue(stream, work)

@@ -139,6 +139,12 @@ bool run_block(unsigned n, bool descending)
 extern "C" void __syncthreads(void) { park(AT_BLOCK); }
 extern "C" void mb_emu_warp_sync(void) { park(AT_WARP); }
 
+/* Threads that passed MB_GRID_WAIT() (vendor.h), for the driver's check of a
+ * programmatic dependent launch. */
+extern "C" unsigned long long mb_emu_grid_waits;
+unsigned long long mb_emu_grid_waits;
+extern "C" void mb_emu_grid_wait(void) { mb_emu_grid_waits++; }
+
 /* Launch run (a kernel called from its parameter array) over the grid; NULL, or
  * what went wrong. */
 extern "C" const char *mb_emu_launch(void (*run)(void **), void **args, unsigned gx,
