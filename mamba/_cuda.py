@@ -271,7 +271,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     name = "cuda"
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
-    programmatic = False  # programmatic dependent launch (sm_90 and later)
 
     @property
     def gemv_smem(self):
@@ -314,7 +313,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._ck(cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                                           cu.cuuint64_t(POOL_KEEP)), "cuMemPoolSetAttribute")
         self._setup()
-        self.programmatic = major >= 9
+        self.programmatic = major >= 9  # programmatic dependent launch
         self.description = f"device 0: {name} (sm_{major}{minor}, {self.sms} SMs)"
 
     def _setup(self):
@@ -368,21 +367,26 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                 ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        cu, key = self.cu, int(s)
+        key = int(s)
         if self._chain == key and name in WAITS:
-            cfg, attr = cu.CUlaunchConfig(), cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
-            cfg.sharedMemBytes, cfg.hStream = smem, s
-            cfg.attrs, cfg.numAttrs = [attr], 1
-            self._ck(cu.cuLaunchKernelEx(cfg, self.fn[name], ctypes.addressof(params), 0), name)
+            self._launch_dependent(s, name, (gx, gy, gz), block, smem, params)
         else:
-            self._ck(cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
-                                       ctypes.addressof(params), 0), name)
+            self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
+                                            ctypes.addressof(params), 0), name)
         if self._capturing and self.programmatic:
             self._chain = key
+
+    def _launch_dependent(self, s, name, grid, block, smem, params):
+        """The launch of a programmatic dependent (only where self.programmatic)."""
+        cu = self.cu
+        cfg, attr = cu.CUlaunchConfig(), cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+        cfg.sharedMemBytes, cfg.hStream = smem, s
+        cfg.attrs, cfg.numAttrs = [attr], 1
+        self._ck(cu.cuLaunchKernelEx(cfg, self.fn[name], ctypes.addressof(params), 0), name)
 
     def _fill32(self, s, p, value, n):
         """n 32-bit words at p set to value, on stream s (a node of its own in a

@@ -189,6 +189,7 @@ class HipBackend(_cuda.CudaBackend):
             self.pool, hip.hipMemPoolAttr.hipMemPoolAttrReleaseThreshold, ctypes.addressof(keep)),
             "hipMemPoolSetAttribute")
         self._setup()
+        self.programmatic = False  # HIP has no programmatic dependent launch
         self.description = f"device 0: {gpu} ({arch}, {cus} CUs)"
 
     def _enter(self):

@@ -322,8 +322,10 @@ def test_requested_hip_raises_the_probe_reason(monkeypatch, built):
 # ------------------------------------------------------------------ shared driver calls
 def cuda_calls_reached_on_hip():
     """Every `cu.X[.Y]` chain in mamba/_cuda.py outside what HIP does itself (the
-    probe, and the CudaBackend methods HipBackend replaces without calling them)."""
-    own = {("probe",), ("CudaBackend", "__init__"), ("CudaBackend", "_enter")}
+    probe, and the CudaBackend methods HipBackend replaces without calling them) and
+    the programmatic dependent launch (HipBackend sets programmatic False)."""
+    own = {("probe",), ("CudaBackend", "__init__"), ("CudaBackend", "_enter"),
+           ("CudaBackend", "_launch_dependent")}
     tree = ast.parse(open(_cuda.__file__).read())
     calls = set()
 
