@@ -323,6 +323,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._capturing, self._released = 0, []
         self._readbacks, self._lock = [], threading.Lock()
         self._chain = None  # the capturing stream whose last node is a kernel
+        self._dependents = False
 
     # ------------------------------------------------------------ driver plumbing
     def _ck(self, res, what):
@@ -373,7 +374,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         else:
             self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
                                             ctypes.addressof(params), 0), name)
-        if self._capturing and self.programmatic:
+        if self._capturing and self._dependents:
             self._chain = key
 
     def _launch_dependent(self, s, name, grid, block, smem, params):
@@ -769,10 +770,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             pass
 
     @contextlib.contextmanager
-    def capturing(self):
-        """The span of a graph capture, with the frees it held back run at its end."""
+    def capturing(self, dependents=True):
+        """The span of a graph capture, with the frees it held back run at its end;
+        dependents: the kernels of WAITS launch as programmatic dependents."""
         self._capturing += 1
         self._chain = None
+        self._dependents = dependents and self.programmatic
         try:
             yield self._capture_stream()
         finally:

@@ -24,6 +24,11 @@ from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
 STEP_CB, STEP_CBT = 32, 128  # ssd_step.cu: rows per block of mb_m2_step_cb_k, threads
+# A step of at most this many rows launches its kernels as programmatic dependents
+# (_cuda.WAITS): its grids are one wave, and each kernel's start hides behind the
+# one before (H200, batch 1: 3-4 us a step). With 32 rows the grids span waves and
+# the step measured slower so (Mamba-2 and Mamba-3 identical: 11-12 us).
+DEPENDENT_ROWS = 8
 
 
 class _GraphSession:
@@ -79,7 +84,7 @@ class _GraphSession:
         be, cu = self.be, self.be.cu
         s = be.stream()
         be._sync(s)  # the session's buffers are set
-        with be.capturing() as cs:
+        with be.capturing(self.shape[0] <= DEPENDENT_ROWS) as cs:
             be._ck(cu.cuStreamBeginCapture(
                 cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "cuStreamBeginCapture")

@@ -15,7 +15,7 @@ import pytest
 
 import emu
 import mamba
-from mamba import _backends, _core, _cuda, _cuda_ssd
+from mamba import _backends, _core, _cuda, _cuda_session, _cuda_ssd
 from _util import concat_time, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
@@ -208,13 +208,14 @@ def test_programmatic_kernels_wait():
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_session_launches_dependents(be, name):
     """A session's graph launches its kernels after the first as programmatic
-    dependents, which the emulated driver checks."""
+    dependents (which the emulated driver checks) when it has at most
+    DEPENDENT_ROWS rows, and plainly past that."""
     blk = make(name, backend="cuda")
-    st = blk.allocate_state(2)
-    before = be.cu.dependents
-    with blk.decode_session(st) as sess:
-        sess.step(rand((2, 1, blk.d_model), 3))
-    assert be.cu.dependents > before
+    for B, chained in ((2, True), (_cuda_session.DEPENDENT_ROWS + 1, False)):
+        before = be.cu.dependents
+        with blk.decode_session(blk.allocate_state(B)) as sess:
+            sess.step(rand((B, 1, blk.d_model), 3))
+        assert (be.cu.dependents > before) == chained
 
 
 @pytest.mark.parametrize("name,B", SSD_SESSIONS)

@@ -101,14 +101,16 @@ MB_DEV bool mb_refused(const unsigned long long *guard) { return guard && *guard
 
 /* Programmatic dependent launch (sm_90): a decode session's graph launches the
  * kernels _cuda.WAITS names so that each may start while its predecessor runs; such
- * a kernel lets its own successor start, then waits for its predecessor's results.
- * Every thread must pass MB_GRID_WAIT() before touching memory other than weights,
- * so a grid completes only after its predecessor did. Without the launch attribute
- * (and on HIP) it returns at once. The emulation defines its own, which counts. */
+ * a kernel waits for its predecessor's results, then lets its own successor start
+ * (so at most one kernel waits beside the running one, and no grid is placed on the
+ * multiprocessors around several earlier ones). Every thread must pass
+ * MB_GRID_WAIT() before touching memory other than weights, so a grid completes only
+ * after its predecessor did. Without the launch attribute (and on HIP) it returns at
+ * once. The emulation defines its own, which counts. */
 #ifndef MB_GRID_WAIT
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MB_GRID_WAIT() \
-    asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n" ::: "memory")
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n" ::: "memory")
 #else
 #define MB_GRID_WAIT() ((void)0)
 #endif
