@@ -195,13 +195,18 @@ def test_programmatic_kernels_wait():
     """The kernels a session launches as programmatic dependents (_cuda.WAITS) are
     those whose source passes MB_GRID_WAIT() (the emulated driver checks that every
     thread of such a launch does)."""
-    waits = set()
-    for path in glob.glob(os.path.join(emu.KERNELS, "*.cu")):
-        src = open(path).read()
-        for head, body in zip(re.finditer(r"MB_KERNEL[^;{]*?\b(mb_\w+_k)\s*\(", src),
-                              re.split(r"MB_KERNEL", src)[1:]):
-            if "MB_GRID_WAIT()" in body:
-                waits.add(head.group(1))
+    def bodies(src, pattern):
+        for head in re.finditer(pattern, src):
+            i, depth = src.index("{", head.end()), 0
+            for j in range(i, len(src)):
+                depth += {"{": 1, "}": -1}.get(src[j], 0)
+                if not depth:
+                    yield head.group(1), src[i:j]
+                    break
+
+    src = "".join(open(p).read() for p in glob.glob(os.path.join(emu.KERNELS, "*.cu")))
+    waits = {n for n, body in bodies(src, r"MB_KERNEL[^;{]*?\b(mb_\w+_k)\s*\(")
+             if "MB_GRID_WAIT()" in body}
     assert waits == set(_cuda.WAITS)
 
 
