@@ -37,7 +37,7 @@ GEMM_RES = ("mb_gemm_res_k", 128, 256, 256)
 GEMM_NARROW = ("mb_gemm_n96_k", 128, 96, 96)
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
-STAGE_K = 128                                      # gemm.cu / rmsnorm.cu: GV_KC = RN_KC
+STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
 TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
@@ -270,12 +270,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     give host outputs, device inputs give device outputs."""
     name = "cuda"
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
+    gemv_kc = 256  # terms per stage of mb_gemv_k: vendor.h MB_GEMV_KC
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
 
     @property
     def gemv_smem(self):
-        """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu)."""
-        return 4 * self.stages * (GEMV_ROWS + GEMV_MROWS) * (STAGE_K + 4)
+        """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu: two stages)."""
+        return 4 * 2 * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
 
     @property
     def norm_smem(self):

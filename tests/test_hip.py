@@ -106,6 +106,7 @@ def test_kernels_fit_amd_lds_without_opt_in():
     if not os.path.exists(kernels):
         pytest.skip("tests run outside the source tree: the kernels are not here to compare")
     for f, macro, want in (("vendor.h", "MB_STAGES", be.stages),
+                           ("vendor.h", "MB_GEMV_KC", be.gemv_kc),
                            ("back1.cu", "M1B_G", be.m1b_group)):
         m = re.search(r"#if defined\(__HIPCC__\)\s*#define %s (\d+)" % macro,
                       open(os.path.join(kernels, f)).read())

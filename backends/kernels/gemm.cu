@@ -229,9 +229,9 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py gemv_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
-#define GV_KC 128
+#define GV_KC MB_GEMV_KC
 #define GV_LD (GV_KC + 4)
-#define GV_STAGES MB_STAGES
+#define GV_STAGES 2
 #define GV_THREADS 256
 
 MB_KERNEL void MB_BOUNDS(GV_THREADS)

@@ -64,6 +64,16 @@ template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0
 #define MB_STAGES 4
 #endif
 
+/* Terms per stage of the decode GEMV's two-stage ring (gemm.cu): on the H200 two
+ * stages of 256 beat four of 128 at every decode shape (a chunk's hand-off costs
+ * about as much as 100 terms of its chain); AMD's 64 KiB of LDS holds two of 128.
+ * The loaders size its shared memory from the same number (CudaBackend.gemv_kc). */
+#if defined(__HIPCC__)
+#define MB_GEMV_KC 128
+#else
+#define MB_GEMV_KC 256
+#endif
+
 /* Stage rows [0, nrows) x k in [k, k + kc) of a row-major matrix (ld floats) into
  * shared memory with row stride sld (a multiple of 4); terms at or past k1 are
  * zero-filled and never read. vec: ld, src and k are 16-byte aligned. Shared by
