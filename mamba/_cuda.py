@@ -86,6 +86,7 @@ class CudaError(RuntimeError):
 
 # ------------------------------------------------------------------ caller streams
 _current = threading.local()
+_param_blocks = threading.local()
 
 
 def _stream_number(s):
@@ -264,6 +265,18 @@ def _ptr(a):
     return a.ptr if isinstance(a, _core.Array) else a
 
 
+def _params(n):
+    """This thread's kernel parameter block for n 8-byte parameters: the words and
+    the array of their addresses that cuLaunchKernel takes (made once: building them
+    for every launch cost a launch 9 us of Python)."""
+    blocks = _param_blocks.__dict__.setdefault("by_count", {})
+    if n not in blocks:
+        words = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(words)
+        blocks[n] = words, (ctypes.c_void_p * n)(*range(base, base + 8 * n, 8))
+    return blocks[n]
+
+
 class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mixin,
                   _cuda_back2.Back2Mixin, _cuda_back3.Back3Mixin):
     """Mamba blocks on device 0. Weights are uploaded once per block; host inputs
@@ -365,9 +378,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         """Every kernel parameter is 8 bytes (a pointer or an int64) or a ctypes struct.
         During a capture, a kernel of WAITS right after another kernel launches as its
         programmatic dependent (sm_90)."""
-        vals = [a if isinstance(a, ctypes.Structure) else
-                ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        try:  # ints and arrays: this thread's words for n parameters (the driver copies them)
+            words, params = _params(len(args))
+            words[:] = [a & 0xFFFFFFFFFFFFFFFF if type(a) is int else a.ptr for a in args]
+        except AttributeError:  # a struct among them
+            vals = [a if isinstance(a, ctypes.Structure) else
+                    ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
+            params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         key = int(s)
         if self._chain == key and name in WAITS:
