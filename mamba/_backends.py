@@ -22,8 +22,8 @@ class CpuBackend:
     def empty(self, shape, like=None):
         return _core.empty(shape)
 
-    def zeros(self, shape, like=None):
-        return _core.zeros(shape)
+    def zeros(self, shapes, like=None):
+        return [_core.zeros(shape) for shape in shapes]
 
     def copy(self, a):
         _host_only([a], "a state piece")

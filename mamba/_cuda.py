@@ -456,13 +456,24 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                                      stream=s.number)
         return _core.empty(shape)
 
-    def zeros(self, shape, like=None):
-        """empty(), filled with +0 (on the current stream when on the device)."""
+    def zeros(self, shapes, like=None):
+        """Arrays of these shapes filled with +0, on the device (one pool allocation
+        and one fill on the current stream: a zero state has up to ten pieces) when
+        `like` is a device array, else on the host."""
         if like is None or like.device != self.name:
-            return _core.zeros(shape)
-        a = self.empty(shape, like)
-        self._fill32(self.stream().cu, a.ptr, 0, a.size)
-        return a
+            return [_core.zeros(shape) for shape in shapes]
+        self._enter()
+        s, offs, end = self.stream(), [], 0
+        for shape in shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            offs.append(end)
+            end += -(-4 * n // 256) * 256
+        mem = _PoolMem(self, end, s)
+        self._fill32(s.cu, mem.ptr, 0, end // 4)
+        return [_core.wrap_device(tuple(shape), mem.ptr + off, self.name, self.device_id, mem,
+                                  stream=s.number) for shape, off in zip(shapes, offs)]
 
     def copy(self, a):
         """A long-lived device copy of a host or device array, complete on return so

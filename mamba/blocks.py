@@ -129,7 +129,7 @@ class _Block:
         settle = chk.real_finite_later(x, what, lengths)
         if state is None:  # a zero state where x lives (no upload, no checks needed)
             shapes = self._state_shapes(B)
-            pieces = [self._backend.zeros(shapes[n], like=x) for n in self._STATE._PIECES]
+            pieces = self._backend.zeros([shapes[n] for n in self._STATE._PIECES], like=x)
             state = self._STATE(*pieces)
         else:  # x is refused before the state, and before anything the caller owns changes
             settle()
