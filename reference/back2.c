@@ -345,8 +345,8 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     memset(p[0], 0, (size_t)sz[0] * sizeof(float));
     const mb_m2_state st = {p[0], p[0] + B * CD * TAPS, p[0] + B * CD * TAPS + B * H * HP * NS,
                             p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
-    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[6]};
-    float *g = p[8], *gn = p[9], *dgn = p[10], *xr2 = p[11];
+    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[8], p[6]};
+    float *g = acts.g, *gn = p[9], *dgn = p[10], *xr2 = p[11];
     float *dzxd = p[12], *du = p[13], *ddA = p[14], *dts = ddA + M * H;
     float *dhn = p[15], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
     float *scr = p[16], *xn = p[17], *xr = p[18];
@@ -359,13 +359,6 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     }
 
     /* out_proj: dW = dy^T . gn over the tokens; dgn = dy . W */
-    #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
-        mb_fpenv env = mb_fpenv_enter();
-        const float *Y = acts.Y + m * di, *z = acts.zxd + m * NP;
-        for (int64_t j = 0; j < di; j++) g[m * di + j] = Y[j] * mb_silu(z[j]);
-        mb_fpenv_exit(env);
-    }
     MB_ISA_FN(mb_rmsnorm_rows)(M, di, g, di, w->norm_w, gn, di);
     rc = MB_ISA_FN(mb_linear_bwd)(M, dm, di, gn, di, w->out_proj, di, dy, dm, gr->out_proj, dgn, di);
     if (rc != MB_OK) {

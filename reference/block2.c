@@ -248,10 +248,11 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         work += T;
     }
     const int64_t E = eoff[B], ngt = nchunks * ((CQ + GB - 1) / GB);
-    /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
-     * (E (CD + H)), per-thread SSD scratch, and the packed input and output if ragged */
-    const int64_t ragged = lengths ? 2 * M * dm : 0;
-    const int64_t nf = M * (dm + NP + di + CQ) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH
+    /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ) (these three are
+     * the activations' own buffers under acts), the scratch chunks (E (CD + H)),
+     * per-thread SSD scratch, and the packed input and output if ragged */
+    const int64_t ragged = lengths ? 2 * M * dm : 0, own = acts ? 0 : NP + di + CQ;
+    const int64_t nf = M * (dm + own) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH
                        + B * H * NS * HP + ragged;
     float *buf = mb_scratch_take((size_t)nf);
     g_task *gt = malloc((size_t)ngt * sizeof *gt);
@@ -261,8 +262,9 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         free(ib);
         return MB_ENOMEM;
     }
-    float *xn = buf, *zxd = xn + M * dm, *yb = zxd + M * NP, *G = yb + M * di;
-    float *ext_u = G + M * CQ, *ext_dtr = ext_u + E * CD, *hTs = ext_dtr + E * H;
+    float *xn = buf, *ext_u = xn + M * (dm + own), *ext_dtr = ext_u + E * CD, *hTs = ext_dtr + E * H;
+    float *zxd = acts ? acts->zxd : xn + M * dm, *yb = acts ? acts->g : zxd + M * NP;
+    float *G = acts ? acts->G : yb + M * di;
     float *scr = hTs + B * H * NS * HP;
     const float *xs = x;
     float *ys = y;
@@ -278,8 +280,6 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
 
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->block_norm_w, xn, dm);
     MB_ISA_FN(mb_gemm)(M, NP, dm, xn, dm, w->in_proj, dm, zxd, NP);
-    if (acts)
-        memcpy(acts->zxd, zxd, (size_t)(M * NP) * sizeof(float));
 
     /* conv + silu over xBC into the chunk storage (chunk 0 in the state buffer), and the
      * raw dt rows beside it; tasks are (row, channel block) */
@@ -358,7 +358,6 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         mb_fpenv_exit(env);
     }
     if (acts) {
-        memcpy(acts->G, G, (size_t)(M * CQ) * sizeof(float));
         for (int64_t b = 0; b < B; b++) {
             const int64_t T = t0[b] + off[b + 1] - off[b];
             for (int64_t k = 0; k * CQ < T; k++) {

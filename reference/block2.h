@@ -17,10 +17,10 @@
  * zxd (M, 2 di + 256 + H) in_proj's output; pre (M, di + 256) the conv outputs before
  * silu; u (M, di + 256) post-conv post-silu xBC;
  * G (M, Q) with G[t][j] = C_t . B_j over the chunk's rows j <= t (others unset);
- * Y (M, di) the SSD output before the gate; hck (B, H, ceil(L / Q), 128, 64) the state
+ * Y (M, di) the SSD output before the gate, g (M, di) the gated Y * silu(z); hck (B, H, ceil(L / Q), 128, 64) the state
  * entering each chunk, transposed (h[n][p]). */
 typedef struct {
-    float *zxd, *pre, *u, *G, *Y, *hck;
+    float *zxd, *pre, *u, *G, *Y, *g, *hck;
 } m2_acts;
 
 /* out[r * ldo + c] = dot v1 over k < K (<= 8192) of a[r * sar + k * sak] * b[k * ldb + c]
