@@ -194,7 +194,7 @@ void MB_ISA_FN(mb_conv_silu_bwd)(int64_t B, int64_t L, int64_t C, float *d, int6
 {
     const int64_t M = B * L, P = (M + MB_DOT_LEAF - 1) / MB_DOT_LEAF, nb = (C + CBLK - 1) / CBLK;
     /* per column block, one pass over the tokens: dpre, then the bias's and the taps'
-     * chains (mb_colfold's, with the flat token index cut into leaves) */
+     * chains (mb_colfold's, with the flat token index cut into leaves); then dx */
     #pragma omp parallel for schedule(dynamic) if (M * C > (1 << 15))
     for (int64_t task = 0; task < nb; task++) {
         mb_fpenv env = mb_fpenv_enter();
@@ -213,19 +213,22 @@ void MB_ISA_FN(mb_conv_silu_bwd)(int64_t B, int64_t L, int64_t C, float *d, int6
             gb[c0 + c] = mb_dot_tree_sum(&tree[4][c]);
             for (int k = 0; k < 4; k++) gw[(c0 + c) * 4 + k] = mb_dot_tree_sum(&tree[k][c]);
         }
-        mb_fpenv_exit(env);
-    }
-    #pragma omp parallel for schedule(static) if (M * C > (1 << 15))
-    for (int64_t m = 0; m < M; m++) {
-        mb_fpenv env = mb_fpenv_enter();
-        const int64_t t = m % L;
-        float *o = dx + m * ldx;
-        for (int64_t c = 0; c < C; c++) o[c] = 0.0f;
-        for (int k = 0; k < 4; k++) {
-            if (t + 3 - k >= L)
-                continue;
-            const float *dp = d + (m + 3 - k) * ldd;
-            for (int64_t c = 0; c < C; c++) o[c] = fmaf(w[c * 4 + k], dp[c], o[c]);
+        /* dx of the block's columns, whose dpre is complete (and still in cache): each
+         * output's tap chain in a register, the taps transposed so that a vector of
+         * columns loads at once */
+        float wt[4][CBLK];
+        for (int64_t c = 0; c < nc; c++)
+            for (int k = 0; k < 4; k++) wt[k][c] = w[(c0 + c) * 4 + k];
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t t = m % L;
+            const int k0 = t + 4 - L > 0 ? (int)(t + 4 - L) : 0; /* taps past the row skipped */
+            for (int64_t c = 0; c < nc; c += MB_VW) {
+                const int n = nc - c < MB_VW ? (int)(nc - c) : MB_VW;
+                mb_vf acc = mb_vzero();
+                for (int k = k0; k < 4; k++)
+                    acc = mb_vfma(mb_vldn(wt[k] + c, n), mb_vldn(d + (m + 3 - k) * ldd + c0 + c, n), acc);
+                mb_vstn(dx + m * ldx + c0 + c, acc, n);
+            }
         }
         mb_fpenv_exit(env);
     }
