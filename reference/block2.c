@@ -145,6 +145,7 @@ typedef struct {
     int64_t di, H, CD;
     const int64_t *off, *t0, *eoff; /* token offsets, buffered rows, scratch-chunk rows */
     float *ext_u, *ext_dtr;         /* chunks >= 1 of every row */
+    float *u;                       /* NULL, or (tokens, CD): every chunk's rows (m2_acts) */
     const float *G;                 /* (tokens, CQ): G[token][j] */
     const float *z;                 /* (tokens, NP): in_proj's output, z first */
     int64_t NP;
@@ -156,6 +157,8 @@ typedef struct {
 
 static float *chunk_u(const m2_ctx *c, const mb_m2_state *st, int64_t b, int64_t k)
 {
+    if (c->u)
+        return c->u + (c->off[b] + k * CQ) * c->CD;
     return k ? c->ext_u + (c->eoff[b] + (k - 1) * CQ) * c->CD : st->buffer_xbc + b * BUFROWS * c->CD;
 }
 
@@ -248,11 +251,12 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         work += T;
     }
     const int64_t E = eoff[B], ngt = nchunks * ((CQ + GB - 1) / GB);
-    /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ) (these three are
-     * the activations' own buffers under acts), the scratch chunks (E (CD + H)),
+    /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
+     * (E (CD + H)) (under acts, the activations hold all but xn and the chunks' dt),
      * per-thread SSD scratch, and the packed input and output if ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0, own = acts ? 0 : NP + di + CQ;
-    const int64_t nf = M * (dm + own) + E * (CD + H) + (int64_t)nth * SSD_SCRATCH
+    const int64_t eu = acts ? 0 : CD;
+    const int64_t nf = M * (dm + own) + E * (eu + H) + (int64_t)nth * SSD_SCRATCH
                        + B * H * NS * HP + ragged;
     float *buf = mb_scratch_take((size_t)nf);
     g_task *gt = malloc((size_t)ngt * sizeof *gt);
@@ -262,7 +266,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         free(ib);
         return MB_ENOMEM;
     }
-    float *xn = buf, *ext_u = xn + M * (dm + own), *ext_dtr = ext_u + E * CD, *hTs = ext_dtr + E * H;
+    float *xn = buf, *ext_u = xn + M * (dm + own), *ext_dtr = ext_u + E * eu, *hTs = ext_dtr + E * H;
     float *zxd = acts ? acts->zxd : xn + M * dm, *yb = acts ? acts->g : zxd + M * NP;
     float *G = acts ? acts->G : yb + M * di;
     float *scr = hTs + B * H * NS * HP;
@@ -274,7 +278,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         xs = xp;
         ys = xp + M * dm;
     }
-    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, G, zxd, NP, yb,
+    const m2_ctx c = {di, H, CD, off, t0, eoff, ext_u, ext_dtr, acts ? acts->u : NULL, G, zxd, NP, yb,
                       acts ? acts->Y : NULL,
                       acts ? acts->hck : NULL, acts ? (L + CQ - 1) / CQ : 0};
 
@@ -293,11 +297,11 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         float *win = st->conv_window + (b * CD + c0) * 4;
         float *pre = acts ? acts->pre + off[b] * CD + c0 : NULL;
         MB_ISA_FN(mb_conv_silu_pre)(n0, nc, in, NP, win, w->conv_w + c0 * 4, w->conv_b + c0, pre, CD,
-                                    st->buffer_xbc + (b * BUFROWS + t0[b]) * CD + c0, CD);
+                                    chunk_u(&c, st, b, 0) + t0[b] * CD + c0, CD);
         if (len > n0)
             MB_ISA_FN(mb_conv_silu_pre)(len - n0, nc, in + n0 * NP, NP, win, w->conv_w + c0 * 4,
                                         w->conv_b + c0, pre ? pre + n0 * CD : NULL, CD,
-                                        ext_u + eoff[b] * CD + c0, CD);
+                                        chunk_u(&c, st, b, 1) + c0, CD);
         if (c0 == 0)
             for (int64_t s = 0; s < len; s++) {
                 const int64_t e = t0[b] + s;
@@ -357,20 +361,10 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
             }
         mb_fpenv_exit(env);
     }
-    if (acts) {
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t T = t0[b] + off[b + 1] - off[b];
-            for (int64_t k = 0; k * CQ < T; k++) {
-                const int64_t r0 = k ? 0 : t0[b], n = (T - k * CQ < CQ ? T - k * CQ : CQ) - r0;
-                memcpy(acts->u + (off[b] + k * CQ + r0 - t0[b]) * CD, chunk_u(&c, st, b, k) + r0 * CD,
-                       (size_t)(n * CD) * sizeof(float));
-            }
-        }
-    }
-
     /* the open chunk goes to the state buffers; once a chunk has closed, the rows past
-     * it are zeroed so the buffers' bytes depend only on the sequence */
-    for (int64_t b = 0; b < B; b++) {
+     * it are zeroed so the buffers' bytes depend only on the sequence (not under acts,
+     * whose state is discarded) */
+    for (int64_t b = 0; b < B && !acts; b++) {
         const int64_t T = t0[b] + off[b + 1] - off[b], r = T % CQ;
         if (T >= CQ) {
             float *bx = st->buffer_xbc + b * BUFROWS * CD, *bd = st->buffer_dtraw + b * BUFROWS * H;

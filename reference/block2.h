@@ -29,6 +29,8 @@ typedef struct {
 void MB_ISA_FN(mb_m2_mm64)(int R, int64_t K, const float *a, int64_t sar, int64_t sak,
                            const float *b, int64_t ldb, float *out, int64_t ldo);
 
+/* The forward from st, which holds no buffered tokens, into acts (whose u and G hold
+ * the SSD's working rows); st's buffers are left unset. */
 int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
                           const mb_m2_state *st, const m2_acts *acts);
 
