@@ -36,6 +36,7 @@ typedef struct {
     float *dzxd;            /* (M, NP): the SSD writes the dt columns */
     float *ddA, *dts;       /* (M, H) gradient of dA, and dt */
     float *dcs, *sacc;      /* (M, H) the cumsum's and seg's gradients before the fold's */
+    float *vals;            /* five (B, H, L): chunk_prep's values, from the first pass */
     float *dhn, *dh, *E;    /* (B, H, nk, NS, HP) C^T . dyo of each chunk and dh leaving it; (B, H, nk) exp(cs_last) */
 } bctx;
 
@@ -48,8 +49,8 @@ typedef struct {
 #define LDC (NS + 16) /* the chunk's copies of B and C */
 
 /* Per-thread scratch of the SSD backward, in floats (the larger pass's). */
-#define SCR_A (2 * CQ * LDM + HP * LDM + 2 * CQ * LDC + 3 * CQ * HP + 2 * TR * CQ + 9 * CQ)
-#define SCR_C (2 * CQ * NS + 2 * NS * HP + 3 * CQ * HP + TR * NS + 9 * CQ)
+#define SCR_A (2 * CQ * LDM + HP * LDM + 2 * CQ * LDC + 3 * CQ * HP + 2 * TR * CQ + 4 * CQ)
+#define SCR_C (2 * CQ * NS + 2 * NS * HP + 3 * CQ * HP + TR * NS + 4 * CQ)
 #define BSCR (SCR_A > SCR_C ? SCR_A : SCR_C)
 
 /* The tile's rows i0 + r (r < R) of seg's gradient: dA[m] gets row i's prefix of dseg
@@ -99,9 +100,12 @@ static void chunk_prep(const bctx *c, int64_t t0, int64_t n, int64_t h, const ch
     }
 }
 
-static chunk_vals vals_at(float *p)
+/* Where chunk k of row b, head h keeps them (one array per value, tokens in order). */
+static chunk_vals vals_of(const bctx *c, int64_t b, int64_t h, int64_t k)
 {
-    chunk_vals v = {p, p + CQ, p + 2 * CQ, p + 3 * CQ, p + 4 * CQ};
+    const int64_t n = c->B * c->H * c->L;
+    float *p = c->vals + (b * c->H + h) * c->L + k * CQ;
+    chunk_vals v = {p, p + n, p + 2 * n, p + 3 * n, p + 4 * n};
     return v;
 }
 
@@ -121,7 +125,6 @@ static void chunk_a(const bctx *c, int64_t b, int64_t k, float *scr)
     float *Bc = Cc + CQ * LDC, *Xd = Bc + CQ * LDC, *dyo = Xd + CQ * HP, *tmpv = dyo + CQ * HP;
     float *dMt = tmpv + CQ * HP, *dsg = dMt + TR * CQ, *ev = dsg + TR * CQ, *s = ev + CQ;
     float *sacc = s + CQ, *dcs = sacc + CQ;
-    const chunk_vals v = vals_at(dcs + CQ);
     for (int64_t i = 0; i < n; i++) {
         memcpy(Bc + i * LDC, u + i * CD + di, NS * sizeof(float));
         memcpy(Cc + i * LDC, u + i * CD + di + NS, NS * sizeof(float));
@@ -130,6 +133,7 @@ static void chunk_a(const bctx *c, int64_t b, int64_t k, float *scr)
     for (int64_t h = 0; h < H; h++) {
         const float *dY = c->dY + t0 * di + h * HP;
         const float *hprev = c->a->hck + ((b * H + h) * nk + k) * NS * HP;
+        const chunk_vals v = vals_of(c, b, h, k);
         chunk_prep(c, t0, n, h, &v);
         for (int64_t i = 0; i < n; i++) {
             ev[i] = mb_exp(v.cs[i]);
@@ -228,7 +232,6 @@ static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
     float *Bd = scr, *dBd = Bd + CQ * NS, *hP = dBd + CQ * NS, *dhP = hP + NS * HP;
     float *Xd = dhP + NS * HP, *dyo = Xd + CQ * HP, *tmpv = dyo + CQ * HP, *pc = tmpv + CQ * HP;
     float *dcs = pc + TR * NS, *tmp = dcs + CQ, *dec = tmp + CQ, *F = dec + CQ;
-    const chunk_vals v = vals_at(F + CQ);
     /* dh . h_prev of every head, their chains interleaved */
     if (folded) {
         const float *dh0 = c->dh + (b * H * nk + k) * NS * HP, *hp0 = c->a->hck + (b * H * nk + k) * NS * HP;
@@ -238,7 +241,7 @@ static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
         const float A = -mb_exp(w->A_log[h]), Dh = w->D[h];
         const float *dY = c->dY + t0 * di + h * HP;
         const float *hprev = c->a->hck + ((b * H + h) * nk + k) * NS * HP;
-        chunk_prep(c, t0, n, h, &v);
+        const chunk_vals v = vals_of(c, b, h, k);
         for (int64_t i = 0; i < n; i++) {
             const float ev = mb_exp(v.cs[i]);
             for (int p = 0; p < HP; p++) dyo[i * HP + p] = dY[i * di + p] * ev;
@@ -322,7 +325,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
         M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
         M * dm,                                                  /* dxn */
         M * di, M * di, M * di, M * di,                          /* g, gn / dg, dgn / dY, xr */
-        M * NP, M * CD, 4 * M * H,                               /* dzxd, du, ddA dts dcs sacc */
+        M * NP, M * CD, 9 * M * H,                               /* dzxd, du, ddA dts dcs sacc vals */
         2 * B * H * nk * NS * HP + B * H * nk,                   /* dhn, dh, E */
         nth * bscr,                                              /* per-thread scratch */
         M * dm, M * dm,                                          /* xn, xr */
@@ -387,7 +390,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     /* the SSD: a pass over the chunks, the state gradient's chain per (row, head), a
      * second pass over the chunks */
     const bctx c = {w, B, L, nk, di, H, CD, NP, &acts, dY, du, dzxd, ddA, dts,
-                    ddA + 2 * M * H, ddA + 3 * M * H, dhn, dhs, E};
+                    ddA + 2 * M * H, ddA + 3 * M * H, ddA + 4 * M * H, dhn, dhs, E};
     #pragma omp parallel if (B * nk > 1)
     {
         mb_fpenv env = mb_fpenv_enter();
