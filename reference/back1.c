@@ -350,10 +350,8 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     }
     if (rc == MB_OK) {
         /* norm and residual: dx = dx_norm + dout */
-        MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xr, dm);
+        MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xr, dm, dy, dm);
         MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xr, dm, 0, gr->norm_w, 1);
-        for (int64_t i = 0; i < M * dm; i++)
-            gr->x[i] = gr->x[i] + dy[i];
     }
     mb_scratch_give(buf);
     free(off);

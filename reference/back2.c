@@ -372,7 +372,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
 
     /* gated norm, then the gate: dY = dg * silu(z), dz = (dg * Y) * silu'(z) */
     float *dg = gn; /* gn is dead now */
-    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, di, g, di, w->norm_w, dgn, di, dg, di, xr2, di);
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, di, g, di, w->norm_w, dgn, di, dg, di, xr2, di, NULL, 0);
     MB_ISA_FN(mb_colfold)(B, L, di, dgn, di, xr2, di, 0, gr->norm_w, 1);
     float *dY = dgn;
     #pragma omp parallel for schedule(static) if (M * di > (1 << 15))
@@ -433,9 +433,8 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     }
 
     /* block norm and the residual: dx = dx_norm + dy */
-    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->block_norm_w, dxn, dm, gr->x, dm, xr, dm);
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->block_norm_w, dxn, dm, gr->x, dm, xr, dm, dy, dm);
     MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xr, dm, 0, gr->block_norm_w, 1);
-    for (int64_t i = 0; i < M * dm; i++) gr->x[i] = gr->x[i] + dy[i];
     mb_scratch_give(buf);
     free(cnt);
     return MB_OK;

@@ -511,9 +511,9 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
         mb_fpenv_exit(env);
     }
     MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, NQK, zx + oB, dip, w->B_norm_w, dBn, NQK, dzx + oB, dip,
-                                   Bxr, NQK);
+                                   Bxr, NQK, NULL, 0);
     MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, NQK, zx + oC, dip, w->C_norm_w, dCn, NQK, dzx + oC, dip,
-                                   Cxr, NQK);
+                                   Cxr, NQK, NULL, 0);
 
     /* in_proj and out_proj: folds over the tokens; dxn = dzx . in_proj over dip */
     int rc = MB_ISA_FN(mb_linear_bwd)(M, dip, dm, xn, dm, w->in_proj, dm, dzx, dip,
@@ -526,9 +526,7 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
         return rc;
     }
     /* the block norm (its xr reuses xn); dx = dy + the norm's dx */
-    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xn, dm);
-    for (int64_t i = 0; i < M * dm; i++)
-        gr->x[i] = dy[i] + gr->x[i];
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xn, dm, dy, dm);
     MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xn, dm, 0, gr->norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dBn, NQK, Bxr, NQK, 0, gr->B_norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dCn, NQK, Cxr, NQK, 0, gr->C_norm_w, 1);

@@ -27,7 +27,8 @@ void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64
 
 void MB_ISA_FN(mb_rmsnorm_bwd_rows)(int64_t M, int64_t n, const float *x, int64_t ldx,
                                     const float *w, const float *dout, int64_t ldd,
-                                    float *dx, int64_t lddx, float *xr, int64_t ldxr)
+                                    float *dx, int64_t lddx, float *xr, int64_t ldxr,
+                                    const float *res, int64_t ldr)
 {
     const float fn = (float)n;
     /* blocks of RB rows: their dot chains run interleaved (mb_dot_rows) */
@@ -50,6 +51,8 @@ void MB_ISA_FN(mb_rmsnorm_bwd_rows)(int64_t M, int64_t n, const float *x, int64_
             const float r = mb_rsqrt(ss[i] / fn + MB_EPS);
             const float coef = -(((sd[i] * r) * r) * r) / fn;
             for (int64_t j = 0; j < n; j++) o[j] = (o[j] * r) + (xm[j] * coef);
+            if (res)
+                for (int64_t j = 0; j < n; j++) o[j] = o[j] + res[(m0 + i) * ldr + j];
             if (xr)
                 for (int64_t j = 0; j < n; j++) xr[(m0 + i) * ldxr + j] = xm[j] * r;
         }

@@ -37,11 +37,13 @@ void MB_ISA_FN(mb_transpose)(int64_t rows, int64_t cols, const float *src, int64
 
 /* Backward of mb_rmsnorm_rows (out = (x * r) * w, r = rsqrt(dot(x, x) / n + eps)) for
  * M rows: with dxh = dout * w, s = dot v1(dxh, x) and coef = -(((s * r) * r) * r) / n,
- * dx = (dxh * r) + (x * coef). xr (may be NULL) receives x * r, the factor of w's
- * gradient. dx must not alias x or dout. */
+ * dx = (dxh * r) + (x * coef), then + res when res is not NULL (a residual's
+ * gradient). xr (may be NULL) receives x * r, the factor of w's gradient. dx must not
+ * alias x, dout or res. */
 void MB_ISA_FN(mb_rmsnorm_bwd_rows)(int64_t M, int64_t n, const float *x, int64_t ldx,
                                     const float *w, const float *dout, int64_t ldd,
-                                    float *dx, int64_t lddx, float *xr, int64_t ldxr);
+                                    float *dx, int64_t lddx, float *xr, int64_t ldxr,
+                                    const float *res, int64_t ldr);
 
 /* out[c * so] for c < n: dot v1 over the flat tokens (b, t), b < B, t < L, skipping
  * t < shift, of a[(b L + t) lda + c] * y, y = b_[(b L + t - shift) ldb + c], or y = 1
