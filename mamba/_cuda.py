@@ -386,14 +386,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                     ctypes.c_uint64(_ptr(a) & 0xFFFFFFFFFFFFFFFF) for a in args]
             params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        key = int(s)
-        if self._chain == key and name in WAITS:
+        if self._chain is not None and self._chain == int(s) and name in WAITS:
             self._launch_dependent(s, name, (gx, gy, gz), block, smem, params)
         else:
             self._ck(self.cu.cuLaunchKernel(self.fn[name], gx, gy, gz, block, 1, 1, smem, s,
                                             ctypes.addressof(params), 0), name)
-        if self._capturing and self._dependents:
-            self._chain = key
+        if self._capturing and self._dependents:  # never on HIP, whose streams need no int()
+            self._chain = int(s)
 
     def _launch_dependent(self, s, name, grid, block, smem, params):
         """The launch of a programmatic dependent (only where self.programmatic)."""
