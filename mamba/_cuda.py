@@ -19,6 +19,7 @@ block or session; per-call outputs and scratch come from a stream-ordered pool
 import contextlib
 import ctypes
 import importlib.resources
+import math
 import threading
 
 from . import _core
@@ -36,6 +37,7 @@ GEMM_WIDE = ("mb_gemm_k", 128, 256, 256)
 GEMM_RES = ("mb_gemm_res_k", 128, 256, 256)
 GEMM_NARROW = ("mb_gemm_n96_k", 128, 96, 96)
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
+GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
@@ -288,8 +290,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
     @property
     def gemv_smem(self):
-        """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu: two stages)."""
-        return 4 * 2 * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
+        """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu)."""
+        return 4 * GEMV_STAGES * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
 
     @property
     def norm_smem(self):
@@ -435,10 +437,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     # ------------------------------------------------------------ arrays
     def new(self, shape):
         """A long-lived device array (weights, session state)."""
-        n = 1
-        for d in shape:
-            n *= d
-        mem = _Mem(self, 4 * n)
+        mem = _Mem(self, 4 * math.prod(shape))
         return _core.wrap_device(tuple(shape), mem.ptr, self.name, self.device_id, mem)
 
     def empty(self, shape, like=None):
@@ -447,10 +446,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._enter()
         if like is not None and like.device == self.name:
             s = self.stream()
-            n = 1
-            for d in shape:
-                n *= d
-            mem = _PoolMem(self, 4 * n, s)
+            mem = _PoolMem(self, 4 * math.prod(shape), s)
             return _core.wrap_device(tuple(shape), mem.ptr, self.name, self.device_id, mem,
                                      stream=s.number)
         return _core.empty(shape)
@@ -464,11 +460,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._enter()
         s, offs, end = self.stream(), [], 0
         for shape in shapes:
-            n = 1
-            for d in shape:
-                n *= d
             offs.append(end)
-            end += -(-4 * n // 256) * 256
+            end += -(-4 * math.prod(shape) // 256) * 256
         mem = _PoolMem(self, end, s)
         self._fill32(s.cu, mem.ptr, 0, end // 4)
         return [_core.wrap_device(tuple(shape), mem.ptr + off, self.name, self.device_id, mem,
