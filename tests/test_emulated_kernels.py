@@ -210,6 +210,39 @@ def test_programmatic_kernels_wait():
     assert waits == set(_cuda.WAITS)
 
 
+def test_dependent_launch_checks_fail(be, monkeypatch):
+    """The emulated driver's checks of a programmatic dependent launch can fail: a
+    kernel that does not wait (mb_first_nonfinite_k, here taken for one of WAITS) is
+    refused when its graph runs, and one that follows a memset at its launch."""
+    monkeypatch.setattr(_cuda, "WAITS", _cuda.WAITS | {"mb_first_nonfinite_k"})
+    cu, a, first = be.cu, be.new((64,)), be.new((2,))
+
+    def capture(body):
+        with be.capturing() as cs:
+            mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            be._ck(cu.cuStreamBeginCapture(cs, mode), "cuStreamBeginCapture")
+            try:
+                body(cs)
+            finally:
+                graph = cu.cuStreamEndCapture(cs)[1]
+        return be._ck(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"), cs
+
+    def twice(cs):
+        for _ in range(2):
+            be._launch(cs, "mb_first_nonfinite_k", (1,), 32, a.size, a, first.ptr)
+    exe, cs = capture(twice)
+    with pytest.raises(_cuda.CudaError, match=r"0 of its 32 threads passed MB_GRID_WAIT"):
+        be._ck(cu.cuGraphLaunch(exe, cs), "cuGraphLaunch")
+
+    def after_memset(cs):
+        be._launch(cs, "mb_first_nonfinite_k", (1,), 32, a.size, a, first.ptr)
+        be._fill32(cs, first.ptr, 0, 4)
+        be._chain = int(cs)  # as if the memset had not cut the chain
+        be._launch(cs, "mb_first_nonfinite_k", (1,), 32, a.size, a, first.ptr)
+    with pytest.raises(_cuda.CudaError, match="programmatic dependent of no kernel"):
+        capture(after_memset)
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_session_launches_dependents(be, name):
     """A session's graph launches its kernels after the first as programmatic
