@@ -211,24 +211,26 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
 
 
 def train_rows(be, res, kinds, upstream_ok):
-    """Forward + backward at W2: ours (forward, then backward, which recomputes the
-    forward inside) and upstream's through torch autograd, TF32 off."""
+    """Forward + backward at W2: ours in both modes (forward, then backward, which
+    recomputes the forward inside) and upstream's through torch autograd, TF32 off and
+    on."""
     B, L, dm = SHAPES["W2"]
     for kind in kinds:
         w = mamba.random_weights(kind, dm, seed=0)
         x = torch.randn(B, L, dm, device="cuda")
         dy = torch.randn(B, L, dm, device="cuda")
         row = res.setdefault("train", {}).setdefault(kind, {})
-        blk = CLASSES[kind](w, backend="cuda")
-        if hasattr(be, CLASSES[kind]._KIND + "_backward"):
+        for mode in ("identical", "fast"):
+            blk = CLASSES[kind](w, numeric_mode=mode, backend="cuda")
+
             def ours():
                 y = blk.forward(x)
                 return y, blk.backward(x, dy)
-            row["ours_ms"] = events_ms(ours, warm=1, reps=3)
-            row["ours_peak_mib"] = pool_peak_mib(be, ours)
-            row["backward_kernels_ms"] = kernel_table(lambda: blk.backward(x, dy))
+            row[mode + "_ms"] = events_ms(ours, warm=1, reps=3)
+            row[mode + "_peak_mib"] = pool_peak_mib(be, ours)
+            row[mode + "_backward_kernels_ms"] = kernel_table(lambda: blk.backward(x, dy))
+            del blk
         if upstream_ok:
-            torch.backends.cuda.matmul.allow_tf32 = False
             ub = upstream.Block(kind, w, dm)
             xr = x.clone().requires_grad_(True)
 
@@ -236,15 +238,19 @@ def train_rows(be, res, kinds, upstream_ok):
                 y = ub(xr)
                 y.backward(dy)
                 return y
-            row["upstream_ms"] = events_ms(theirs, warm=1, reps=3)
+            for tf32 in (False, True):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                key = "upstream_tf32_" + ("on" if tf32 else "off")
+                row[key + "_ms"] = events_ms(theirs, warm=1, reps=3)
+            torch.backends.cuda.matmul.allow_tf32 = False
             row["upstream_peak_mib"] = torch_peak_mib(theirs)
             del ub, xr
         print(f"train {kind} W2: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)) + "; backward "
-              "kernels (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in
-                                           list(row.get("backward_kernels_ms", {}).items())[:10]),
-              flush=True)
-        del blk
+            f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)
+        for mode in ("identical", "fast"):
+            print(f"  {mode} backward kernels (ms): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in list(row[mode + "_backward_kernels_ms"].items())[:10]),
+                flush=True)
         torch.cuda.empty_cache()
 
 

@@ -39,7 +39,7 @@ class CpuBackend:
         _host_only(pieces, "a state piece")
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
-    def m1_backward(self, w, d_model, x, dy, gx, gw):
+    def m1_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
         _core.m1_backward(w, d_model, x, dy, gx, tuple(gw))
@@ -64,7 +64,7 @@ class CpuBackend:
         _core.m2_h_last(d_model, lo, hi, dt_bias, A_log, h, bx, bd, counts, out)
         return out
 
-    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw):
+    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw, fast=False):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
         _core.m2_backward(w, d_model, dt_limit[0], dt_limit[1], x, dy, gx, tuple(gw))
@@ -76,7 +76,7 @@ class CpuBackend:
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,
                                 reports, lengths)
 
-    def m3_backward(self, w, d_model, x, dy, gx, gw):
+    def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
         _core.m3_backward(w, d_model, x, dy, gx, tuple(gw))

@@ -29,12 +29,13 @@ class Back1Mixin:
     # window cuts no reduction, so its size changes no bit.
     m1_window_bytes = 1 << 29
 
-    def m1_backward(self, w, d_model, x, dy, gx, gw):
+    def m1_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         """Gradients of a zero-state prefill of x (B, L, d_model) with grad_output dy:
         gx (x's) and gw (one per weight, weight order). Host x gives host gradients,
-        device x device ones; dy may live on either. numeric_mode='fast' runs this
-        same identical path (the block passes no mode): the backward has no faster
-        schedule, so fast mode's accuracy promise holds with the identical bits."""
+        device x device ones; dy may live on either. fast: the block norm and every
+        projection (forward and backward) on fast mode's kernels, the rest as in
+        identical mode."""
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         from . import _cuda as C
         self._kernels(*_KERNELS, smem={"mb_m1b_chunk_k": chunk_shape(self.m1b_group)[1]})
         self._enter()
@@ -57,17 +58,18 @@ class Back1Mixin:
             nparts = max(self._parts(M, 2 * di, dm), self._parts(M, XR, di),
                          self._parts(M, di, R))
             parts = sc(nparts) if nparts else 0
-            self._rmsnorm(s, False, M, dm, xd, norm_w, xn, sc(M))
-            self.gemm(s, M, 2 * di, dm, xn, dm, in_proj, dm, xz, 2 * di, parts)
+            self._rmsnorm(s, fast, M, dm, xd, norm_w, xn, sc(M))
+            self.gemm(s, M, 2 * di, dm, xn, dm, in_proj, dm, xz, 2 * di, parts, fast)
             self.g_conv_pre(s, B, L, di, xz, 2 * di, conv_w, conv_b, pre, di, u, di)
-            self.gemm(s, M, XR, di, u, di, x_proj, di, xdbl, XR, parts)
-            self.gemm(s, M, di, R, xdbl, XR, dt_w, R, spre, di, parts)
+            self.gemm(s, M, XR, di, u, di, x_proj, di, xdbl, XR, parts, fast)
+            self.gemm(s, M, di, R, xdbl, XR, dt_w, R, spre, di, parts, fast)
             self._launch(s, "mb_m1b_prep_k", (grid(M * di),), C.THREADS, M, di, spre, dt_b,
                          delta)
 
             # the gate's input gradient: dyg = dout . out_proj, dys = dyg * silu(z)
             dyg, dys = sc(M * di), sc(M * di)
-            self.g_linear_bwd(s, sc, M, dm, di, 0, 0, out_proj, di, dyd, dm, dX=dyg, lddx=di)
+            self.g_linear_bwd(s, sc, M, dm, di, 0, 0, out_proj, di, dyd, dm, dX=dyg, lddx=di,
+                              fast=fast)
             self._launch(s, "mb_m1b_gate_k", (grid(M * di),), C.THREADS, M, di, dyg, xz, dys)
 
             # the scan
@@ -80,16 +82,17 @@ class Back1Mixin:
             self.g_colfold(s, sc, B, L, di, dys, di, g_D, b=u, ldb=di)
             self.g_colfold(s, sc, B, L, di, ds, di, g_dtb)
             dux, dxn, xr = dyg, yg, spre
-            self.g_linear_bwd(s, sc, M, dm, di, yg, di, out_proj, di, dyd, dm, gW=g_out)
+            self.g_linear_bwd(s, sc, M, dm, di, yg, di, out_proj, di, dyd, dm, gW=g_out,
+                              fast=fast)
             self.g_linear_bwd(s, sc, M, di, R, xdbl, XR, dt_w, R, ds, di, gW=g_dtw, dX=dxdbl,
-                              lddx=XR)
+                              lddx=XR, fast=fast)
             self.g_linear_bwd(s, sc, M, XR, di, u, di, x_proj, di, dxdbl, XR, gW=g_xp, dX=dux,
-                              lddx=di)
+                              lddx=di, fast=fast)
             self._launch(s, "mb_m1b_du_k", (grid(M * di),), C.THREADS, M, di, dux, dus, dys, D)
             self.g_conv_silu_bwd(s, sc, B, L, di, dux, di, pre, di, xz, 2 * di, conv_w, g_cw,
                                  g_cb, dxz, 2 * di)
             self.g_linear_bwd(s, sc, M, 2 * di, dm, xn, dm, in_proj, dm, dxz, 2 * di, gW=g_in,
-                              dX=dxn, lddx=dm)
+                              dX=dxn, lddx=dm, fast=fast)
 
             # the norm and the residual: dx = dx_norm + dout
             self.g_rmsnorm_bwd(s, sc, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xr, dm)

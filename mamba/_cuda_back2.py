@@ -19,9 +19,12 @@ BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "
 
 
 class Back2Mixin:
-    """CudaBackend.m2_backward (the CPU backend's signature)."""
+    """CudaBackend.m2_backward (the CPU backend's signature). fast: the norms and every
+    projection (forward and backward) on fast mode's kernels, the SSD as in identical
+    mode."""
 
-    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw):
+    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw, fast=False):
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         from . import _cuda
         self._kernels(*BACK_KERNELS)
         self._enter()
@@ -51,8 +54,8 @@ class Back2Mixin:
             with scope() as f:  # the forward's activations, read up to the conv's backward
                 r, zx = f(M), f(M * NP)
                 P = self._parts(M, NP, dm)
-                self._rmsnorm(s, False, M, dm, xd, norm_w, xn, r)
-                self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, f(P) if P else 0)
+                self._rmsnorm(s, fast, M, dm, xd, norm_w, xn, r)
+                self.gemm(s, M, NP, dm, xn, dm, in_proj, dm, zx, NP, f(P) if P else 0, fast)
                 pre, U, DTR = f(M * CD), f(M * CD), f(M * H)
                 self.g_conv_pre(s, B, L, CD, zx + 4 * di, NP, conv_w, conv_b, pre, CD, U, CD)
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * H, B), T,
@@ -77,9 +80,9 @@ class Back2Mixin:
                                  dt, dA, cs, hck, D, zx, NP, Y, g)
                     with scope() as u:
                         gn = u(M * di)
-                        self._rmsnorm(s, False, M, di, g, gnorm_w, gn, r)
+                        self._rmsnorm(s, fast, M, di, g, gnorm_w, gn, r)
                         self.g_linear_bwd(s, u, M, dm, di, gn, di, out_proj, di, dyd, dm, g_out,
-                                          dgn, di)
+                                          dgn, di, fast)
                     dg, xr = t(M * di), t(M * di)
                     self.g_rmsnorm_bwd(s, t, M, di, g, di, gnorm_w, dgn, di, dg, di, xr, di)
                     self.g_colfold(s, t, B, L, di, dgn, di, g_gnorm, 1, xr, di)
@@ -122,7 +125,8 @@ class Back2Mixin:
             # in_proj, the block norm and the residual
             with scope() as t:
                 dxn, xr2 = t(M * dm), t(M * dm)
-                self.g_linear_bwd(s, t, M, NP, dm, xn, dm, in_proj, dm, dzxd, NP, g_in, dxn, dm)
+                self.g_linear_bwd(s, t, M, NP, dm, xn, dm, in_proj, dm, dzxd, NP, g_in, dxn, dm,
+                                  fast)
                 self.g_rmsnorm_bwd(s, t, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xr2, dm)
                 self.g_colfold(s, t, B, L, dm, dxn, dm, g_norm, 1, xr2, dm)
             self.g_add(s, M * dm, g_x, dyd, g_x)

@@ -28,10 +28,12 @@ _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "m
 class Back3Mixin:
     """CudaBackend's m3_backward."""
 
-    def m3_backward(self, w, d_model, x, dy, gx, gw):
+    def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
         into gx and gw (the weights' order): device outputs are written in place,
-        host ones copied back."""
+        host ones copied back. fast: the block norm and every projection (forward
+        and backward) on fast mode's kernels, the rest as in identical mode."""
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*_KERNELS, smem={"mb_m3b_chunk_k": CHUNK_SMEM})
         self._enter()
         st = self.stream()
@@ -54,7 +56,7 @@ class Back3Mixin:
             dyd = self._on_device(sc, dy)
             nparts = self._parts(M, NP, dm)
             xd, xn, zx = self._front(s, sc, B, L, None, I, x, dm, norm_w, in_proj, NP,
-                                     sc(nparts) if nparts else 0, False)
+                                     sc(nparts) if nparts else 0, fast)
             # scratch in three lifetimes: sc to the end, mid to the token pass, inner
             # to the chunk pass
             with _Scratch(self, st) as mid:
@@ -96,7 +98,7 @@ class Back3Mixin:
                     dyg = inner(M * di)
                     with _Scratch(self, st) as tmp:
                         self.g_linear_bwd(s, tmp, M, dm, di, yg, di, out_proj, di, dyd, dm,
-                                          g_out, dyg, di)
+                                          g_out, dyg, di, fast)
 
                     # the chunks: dh entering each from its own rows, the chain over a
                     # row's chunks in reverse, then every chunk's gradients
@@ -140,7 +142,8 @@ class Back3Mixin:
                                    xr, NS)
             dxn = sc(M * dm)
             with _Scratch(self, st) as tmp:
-                self.g_linear_bwd(s, tmp, M, NP, dm, xn, dm, in_proj, dm, dzx, NP, g_in, dxn, dm)
+                self.g_linear_bwd(s, tmp, M, NP, dm, xn, dm, in_proj, dm, dzx, NP, g_in, dxn, dm,
+                                  fast)
             self.g_rmsnorm_bwd(s, sc, M, dm, xd, dm, norm_w, dxn, dm, g_x, dm, xn, dm)
             self.g_add(s, M * dm, dyd, g_x, g_x)
             for n, a, lda, o, b, ldb in ((dm, dxn, dm, g_norm, xn, dm), (NS, dBn, NS, g_Bn, Bxr, NS),

@@ -20,10 +20,12 @@ Every result has the bits of the C function named, for any launch shape:
 - g_fold_flat(s, sc, rows, cols, a, lda, out, b=0, ldb=0, G=1, ga=0, gb=0, so=1):
   G independent mb_fold_flat's: out[g * so] = mb_fold_flat(rows, cols, a + g * ga,
   lda, b + g * gb, ldb) (b = 0: a plain sum), e.g. one per head.
-- g_linear_bwd(s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0):
+- g_linear_bwd(s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0, fast=False):
   mb_linear_bwd for Y = X . W^T (X (M, K), W (N, K), dY (M, N)): gW (N, K) by the
   dot-v1 GEMM on transposed copies (the fold over the M tokens), dX (M, K) = dY . W
-  (dot v1 over N); either may be 0 (skipped).
+  (dot v1 over N); either may be 0 (skipped). fast (numeric_mode="fast", on a backend
+  with tensor cores): both products in TF32, gW's tokens cut into slices summed in a
+  fixed order when its tiles alone would leave multiprocessors idle.
 - g_conv_pre(s, B, L, C, inp, ldi, w, bias, pre, ldp, u, ldu): mb_conv_silu_pre
   from a zero window (a prefill with no state): pre (the conv before silu) and u.
 - g_conv_silu_bwd(s, sc, B, L, C, d, ldd, pre, ldp, inp, ldi, w, gw, gb, dx, ldx):
@@ -44,6 +46,7 @@ THREADS = 256
 TILE = 32            # grad.cu GR_TILE; the transpose runs GR_TILE x 8 threads
 NORM_ROWS, NORM_THREADS = 32, 128  # grad.cu GR_ROWS, GR_THREADS
 GRID_Y = 65535
+MAX_SLICES = 32  # token slices of a fast weight gradient
 
 _KERNELS = ("mb_transpose_k", "mb_rms_bwd_rows_k", "mb_rms_bwd_apply_k", "mb_colfold_k",
             "mb_fold_flat_k", "mb_conv_pre_k", "mb_dsilu_mul_k", "mb_conv_bwd_dx_k", "mb_add_k")
@@ -102,18 +105,44 @@ class GradMixin:
         if P > 1:
             self.g_fold_leaves(s, P, G, dst, G, out, so)
 
-    def g_linear_bwd(self, s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0):
+    def g_linear_bwd(self, s, sc, M, N, K, X, ldx, W, ldw, dY, ldy, gW=0, dX=0, lddx=0,
+                     fast=False):
         if gW:
+            from . import _cuda as C
             dYT, XT = sc(N * M), sc(K * M)
             self.g_transpose(s, M, N, dY, ldy, dYT, M)
             self.g_transpose(s, M, K, X, ldx, XT, M)
-            P = self._parts(N, K, M)
-            self.gemm(s, N, K, M, dYT, M, XT, M, gW, K, sc(P) if P else 0)
+            if fast and N > C.GEMV_MAX_M:  # (fewer rows take the chain GEMV)
+                self._tf32_token_fold(s, sc, N, K, M, dYT, XT, gW)
+            else:
+                P = self._parts(N, K, M)
+                self.gemm(s, N, K, M, dYT, M, XT, M, gW, K, sc(P) if P else 0)
         if dX:
             WT = sc(K * N)
             self.g_transpose(s, N, K, W, ldw, WT, N)
             P = self._parts(M, K, N)
-            self.gemm(s, M, K, N, dY, ldy, WT, N, dX, lddx, sc(P) if P else 0)
+            self.gemm(s, M, K, N, dY, ldy, WT, N, dX, lddx, sc(P) if P else 0, fast)
+
+    def _tf32_token_fold(self, s, sc, N, K, M, A, B, out):
+        """out (N, K) = A . B^T over M tokens (A (N, M), B (K, M)) on the tensor cores.
+        Fewer output tiles than two a multiprocessor (the GEMM's residency) cut the
+        tokens into slices of whole 32-token steps, each slice's product into its own
+        scratch, summed by mb_dot_fold_k in slice order: no atomics, the same bits on
+        every run."""
+        from . import _cuda as C
+        tiles = _cdiv(N, C.TF32_BM) * _cdiv(K, C.TF32_BN)
+        step = 32 * _cdiv(_cdiv(M, min(_cdiv(2 * self.sms, tiles), MAX_SLICES)), 32)
+        P = _cdiv(M, step)
+        if P == 1:
+            self.gemm(s, N, K, M, A, M, B, M, out, K, fast=True)
+            return
+        parts = sc(P * N * K)
+        for p in range(P):
+            m0 = p * step
+            self.gemm(s, N, K, min(step, M - m0), _addr(A) + 4 * m0, M, _addr(B) + 4 * m0, M,
+                      _addr(parts) + 4 * p * N * K, K, fast=True)
+        self._launch(s, "mb_dot_fold_k", (self._grid(N * K),), THREADS, P, N, K, parts, N * K,
+                     out, K, 0, 0, 0)
 
     def g_conv_pre(self, s, B, L, C, inp, ldi, w, bias, pre, ldp, u, ldu):
         self._gk()

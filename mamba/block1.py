@@ -58,7 +58,8 @@ class Mamba1Block(_Block):
                                  fast=self.numeric_mode == "fast")
 
     def _backward_kernel(self, w, x, dy, gx, gw):
-        self._backend.m1_backward(w, self.d_model, x, dy, gx, gw)
+        self._backend.m1_backward(w, self.d_model, x, dy, gx, gw,
+                                  fast=self.numeric_mode == "fast")
 
     def _session_runner(self, w, state):
         # a GPU backend may run a session's step as one captured graph

@@ -126,7 +126,8 @@ class Mamba2Block(_HeadedBlock):
         return self._reported
 
     def _backward_kernel(self, w, x, dy, gx, gw):
-        self._backend.m2_backward(w, self.d_model, self.dt_limit, x, dy, gx, gw)
+        self._backend.m2_backward(w, self.d_model, self.dt_limit, x, dy, gx, gw,
+                                  fast=self.numeric_mode == "fast")
 
     def _kernel(self, w, x, pieces, state, y, lengths):
         be = self._backend

@@ -161,7 +161,8 @@ class Mamba3Block(_HeadedBlock):
                              f"input state starts a new sequence), got {n}")
 
     def _backward_kernel(self, w, x, dy, gx, gw):
-        self._backend.m3_backward(w, self.d_model, x, dy, gx, gw)
+        self._backend.m3_backward(w, self.d_model, x, dy, gx, gw,
+                                  fast=self.numeric_mode == "fast")
 
     def _kernel(self, w, x, pieces, state, y, lengths):
         B, H = x.shape[0], self.nheads

@@ -41,20 +41,20 @@ def _m3_stress(w):
 
 # block -> d_model, the lengths and batch sizes of the identity lane (the lengths cross
 # the backward's chunking: below, on and past a chunk, and several chunks), the shape
-# (B, L, d_model) of a call whose B * L folds span more than one 8192-token leaf, what
-# numeric_mode="fast" does ("identical": the identical path, same bits), and optionally
-# ctor: weights -> extra constructor arguments, weights: weights -> the weights to use
+# (B, L, d_model) of a call whose B * L folds span more than one 8192-token leaf, and
+# optionally ctor: weights -> extra constructor arguments, weights: weights -> the
+# weights to use
 GRAD_BLOCKS = {
     # the scan's reverse pass keeps a carry every 32 tokens
     "mamba1": dict(d_model=32, lengths=(1, 31, 32, 33, 257), batches=(1, 3),
-                   leaves=(2, 4100, 16), fast="identical"),
+                   leaves=(2, 4100, 16)),
     # chunks of 256: the dh chain runs over 1, 2 and 3 chunks; one head
     "mamba2": dict(d_model=32, lengths=(1, 255, 256, 257, 513), batches=(1, 3),
-                   leaves=(2, 4100, 32), fast="identical", ctor=_m2_binding_limit),
+                   leaves=(2, 4100, 32), ctor=_m2_binding_limit),
     # chunks of 64: the dh chain runs over 1, 2 and 3 chunks; two heads, one with its
     # A floor binding on some tokens, angles wrapping past 2 pi
     "mamba3": dict(d_model=64, lengths=(1, 63, 64, 65, 129), batches=(1, 3),
-                   leaves=(2, 4100, 32), fast="identical", weights=_m3_stress),
+                   leaves=(2, 4100, 32), weights=_m3_stress),
 }
 
 CASES = [(n, B, L) for n, spec in GRAD_BLOCKS.items() for B in spec["batches"]
@@ -139,13 +139,20 @@ def test_backward_folds_past_one_leaf(be, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n, s in GRAD_BLOCKS.items() if s["fast"] == "identical"])
-def test_backward_fast_mode_is_the_identical_path(be, name):
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_backward_fast_mode(be, name):
+    """numeric_mode="fast" (test_fast.py holds its gradients to fast mode's bound):
+    without tensor cores the backward is the identical path, the C reference's bits;
+    with them its norms and projections ran on fast mode's kernels."""
     dm = GRAD_BLOCKS[name]["d_model"]
-    cpu, gpu = _pair(name, dm, seed=9)
+    cpu = _block(name, dm, 9, backend="cpu")
     fast = _block(name, dm, 9, backend="cuda", numeric_mode="fast")
     x, dy = _inputs((2, 40, dm), 9)
-    assert_same_gradients(fast.backward(x, dy), cpu.backward(x, dy), f"{name} fast mode")
+    got, want = fast.backward(x, dy), cpu.backward(x, dy)
+    if not be.tensor_cores:
+        assert_same_gradients(got, want, f"{name} fast mode")
+    else:
+        assert any(raw(got[k]) != raw(want[k]) for k in want), f"{name}: no TF32 product"
 
 
 @pytest.mark.gpu

@@ -149,7 +149,8 @@ def test_profile_digest(be, name):
 # lengths below, on and past each block's backward chunk (Mamba-1 32, Mamba-2 256,
 # Mamba-3 64) and several chunks, batches of 1 and 3, a repeated call; B * L past one
 # 8192-token fold leaf
-from test_backward_gpu import test_backward_equals_cpu, test_backward_folds_past_one_leaf  # noqa: E402,F401
+from test_backward_gpu import (test_backward_equals_cpu, test_backward_fast_mode,  # noqa: E402,F401
+                               test_backward_folds_past_one_leaf)
 
 
 @pytest.mark.parametrize("name", list(GRAD_BLOCKS))
