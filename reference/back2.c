@@ -348,7 +348,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     memset(p[0], 0, (size_t)sz[0] * sizeof(float));
     const mb_m2_state st = {p[0], p[0] + B * CD * TAPS, p[0] + B * CD * TAPS + B * H * HP * NS,
                             p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
-    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[8], p[6]};
+    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[8], p[6], p[17]};
     float *g = acts.g, *gn = p[9], *dgn = p[10], *xr2 = p[11];
     float *dzxd = p[12], *du = p[13], *ddA = p[14], *dts = ddA + M * H;
     float *dhn = p[15], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
@@ -422,8 +422,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     MB_ISA_FN(mb_conv_silu_bwd)(B, L, CD, du, CD, acts.pre, CD, acts.zxd + di, NP, w->conv_w,
                                 gr->conv_w, gr->conv_b, dzxd + di, NP);
 
-    /* in_proj: dW = dzxd^T . xn over the tokens; dxn = dzxd . W */
-    MB_ISA_FN(mb_rmsnorm_rows)(M, dm, x, dm, w->block_norm_w, xn, dm);
+    /* in_proj: dW = dzxd^T . xn over the tokens (xn from the forward); dxn = dzxd . W */
     float *dxn = p[7];
     rc = MB_ISA_FN(mb_linear_bwd)(M, NP, dm, xn, dm, w->in_proj, dm, dzxd, NP, gr->in_proj, dxn, dm);
     if (rc != MB_OK) {

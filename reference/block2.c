@@ -222,7 +222,7 @@ static void ssd_chunk(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state
                     mb_vst(yr + p, mb_vmul(mb_vld(yp + p), mb_vsilu(mb_vld(zr + p))));
             }
         }
-        if (n == CQ)
+        if (n == CQ && !(c->hck && k == row_chunks(c, b) - 1)) /* under acts, only states entering a chunk */
             fold(n, u + di, CD, q->cs, q->Xd, q->Bd, q->ST, hT, hT);
     }
 }
@@ -252,11 +252,11 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     }
     const int64_t E = eoff[B], ngt = nchunks * ((CQ + GB - 1) / GB);
     /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
-     * (E (CD + H)) (under acts, the activations hold all but xn and the chunks' dt),
+     * (E (CD + H)) (under acts, the activations hold all but the chunks' dt),
      * per-thread SSD scratch, and the packed input and output if ragged */
-    const int64_t ragged = lengths ? 2 * M * dm : 0, own = acts ? 0 : NP + di + CQ;
+    const int64_t ragged = lengths ? 2 * M * dm : 0, own = acts ? 0 : dm + NP + di + CQ;
     const int64_t eu = acts ? 0 : CD;
-    const int64_t nf = M * (dm + own) + E * (eu + H) + (int64_t)nth * SSD_SCRATCH
+    const int64_t nf = M * own + E * (eu + H) + (int64_t)nth * SSD_SCRATCH
                        + B * H * NS * HP + ragged;
     float *buf = mb_scratch_take((size_t)nf);
     g_task *gt = malloc((size_t)ngt * sizeof *gt);
@@ -266,7 +266,8 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         free(ib);
         return MB_ENOMEM;
     }
-    float *xn = buf, *ext_u = xn + M * (dm + own), *ext_dtr = ext_u + E * eu, *hTs = ext_dtr + E * H;
+    float *xn = acts ? acts->xn : buf, *ext_u = buf + M * own, *ext_dtr = ext_u + E * eu;
+    float *hTs = ext_dtr + E * H;
     float *zxd = acts ? acts->zxd : xn + M * dm, *yb = acts ? acts->g : zxd + M * NP;
     float *G = acts ? acts->G : yb + M * di;
     float *scr = hTs + B * H * NS * HP;
@@ -355,7 +356,7 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
                     if (k == 0)
                         transpose(NS, HP, hs, hT);
                     ssd_chunk(&c, w, st, b, h, k, &q, hT);
-                    if (k == nk - 1)
+                    if (k == nk - 1 && !acts) /* acts' state is discarded */
                         transpose(HP, NS, hT, hs);
                 }
             }

@@ -18,9 +18,10 @@
  * silu; u (M, di + 256) post-conv post-silu xBC;
  * G (M, Q) with G[t][j] = C_t . B_j over the chunk's rows j <= t (others unset);
  * Y (M, di) the SSD output before the gate, g (M, di) the gated Y * silu(z); hck (B, H, ceil(L / Q), 128, 64) the state
- * entering each chunk, transposed (h[n][p]). */
+ * entering each chunk, transposed (h[n][p]); xn (M, d_model) the block norm's output.
+ * The fold of each row's last chunk is not computed (nothing reads the state after). */
 typedef struct {
-    float *zxd, *pre, *u, *G, *Y, *g, *hck;
+    float *zxd, *pre, *u, *G, *Y, *g, *hck, *xn;
 } m2_acts;
 
 /* out[r * ldo + c] = dot v1 over k < K (<= 8192) of a[r * sar + k * sak] * b[k * ldb + c]

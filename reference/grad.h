@@ -15,18 +15,24 @@ static inline float mb_dsilu(float z)
 }
 
 /* out[r * so] = mb_dot(n, a + r * lda, 1, b + r * ldb, 1) for r < R: eight rows' chains
- * at a time, interleaved so that their latencies overlap. */
+ * at a time, interleaved so that their latencies overlap (a last group of fewer rows
+ * repeats its last row, whose extra chains are dropped). */
 static inline void mb_dot_rows(int64_t R, int64_t n, const float *a, int64_t lda,
                                const float *b, int64_t ldb, float *out, int64_t so)
 {
     int64_t r = 0;
     if (n <= MB_DOT_LEAF)
-        for (; r + 8 <= R; r += 8) {
+        for (; r < R; r += 8) {
+            const int nr = R - r < 8 ? (int)(R - r) : 8;
+            const float *ar[8], *br[8];
+            for (int j = 0; j < 8; j++) {
+                ar[j] = a + (r + (j < nr ? j : nr - 1)) * lda;
+                br[j] = b + (r + (j < nr ? j : nr - 1)) * ldb;
+            }
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int64_t k = 0; k < n; k++)
-                for (int j = 0; j < 8; j++)
-                    acc[j] = fmaf(a[(r + j) * lda + k], b[(r + j) * ldb + k], acc[j]);
-            for (int j = 0; j < 8; j++) out[(r + j) * so] = acc[j];
+                for (int j = 0; j < 8; j++) acc[j] = fmaf(ar[j][k], br[j][k], acc[j]);
+            for (int j = 0; j < nr; j++) out[(r + j) * so] = acc[j];
         }
     for (; r < R; r++) out[r * so] = mb_dot(n, a + r * lda, 1, b + r * ldb, 1);
 }
