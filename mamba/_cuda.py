@@ -42,6 +42,7 @@ GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
+GUARD_LOADS = 8                                    # finite.cu: loads in flight a thread
 TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
 TF32_SMEM = 4 * 3 * (TF32_BM + TF32_BN) * (32 + 4)  # TB_STAGES stages of padded rows
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
@@ -340,6 +341,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._readbacks, self._lock = [], threading.Lock()
         self._chain = None  # the capturing stream whose last node is a kernel
         self._dependents = False
+        self._guard_args = None  # step_guard
 
     # ------------------------------------------------------------ driver plumbing
     def _ck(self, res, what):
@@ -643,18 +645,42 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
         """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
-        scratch (identical)."""
+        scratch (identical). The first norm of a session step's capture also runs the
+        step's guard (step_guard)."""
         ldx = ldx or n
+        blocks, threads = ((min(M, 64 * self.sms), FAST_THREADS) if fast else
+                           (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
+        check = self._step_check(s, blocks, threads)
         if fast:
-            self._launch(s, "mb_fast_rmsnorm_k", (min(M, 64 * self.sms),), FAST_THREADS,
-                         M, n, x, ldx, w, out, n)
+            self._launch(s, "mb_fast_rmsnorm_k", (blocks,), threads, M, n, x, ldx, w, out, n,
+                         *check)
             return
         whole = self._norm_whole(M, n)
-        self._launch(s, "mb_rms_k", (min(_cdiv(M, NORM_ROWS), 16 * self.sms),), NORM_THREADS,
-                     M, n, x, ldx, r, w, out if whole else 0, n, smem=self.norm_smem)
+        self._launch(s, "mb_rms_k", (blocks,), threads, M, n, x, ldx, r, w, out if whole else 0,
+                     n, *check, smem=self.norm_smem)
         if not whole:
             self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w,
                          out, n)
+
+    def step_guard(self, args):
+        """Have the next norm launched (the first of a session step's capture) check
+        the step's input first: args are mb_step_guard_k's (n, x, guard word, host
+        words). A norm of one block whose threads take the input in one round of
+        loads runs the check itself (one kernel fewer a step); else the guard
+        kernel runs before it. None clears a check no norm took."""
+        self._guard_args = args
+
+    def _step_check(self, s, blocks, threads):
+        """The check arguments the norm kernels take (zeros: none) for a norm of
+        `blocks` blocks of `threads` (step_guard); launches the guard kernel instead
+        where the norm cannot take it."""
+        args, self._guard_args = self._guard_args, None
+        if args is None:
+            return (0, 0, 0, 0)
+        if blocks == 1 and args[0] <= threads * GUARD_LOADS:
+            return args
+        self._launch(s, "mb_step_guard_k", (1,), GUARD_THREADS, *args)
+        return (0, 0, 0, 0)
 
     def _norm_whole(self, M, n):
         """Whether mb_rms_k can hold every block's rows whole, with w, and so scale

@@ -8,8 +8,8 @@ the step's first kernel of ssd_step.cu writes the chunk tables that _cuda_ssd._P
 would give a one-token call, and moves the count on; the host keeps its own copy
 of the count in step with the device's, in the session's state.
 
-The graph's first kernel (mb_step_guard_k) checks the step's input on the device.
-A refused step (a NaN or inf in x) leaves the state alone, gives NaN outputs, and
+The graph's first kernel (the block norm, or mb_step_guard_k just before it:
+CudaBackend.step_guard) checks the step's input on the device. A refused step (a NaN or inf in x) leaves the state alone, gives NaN outputs, and
 so do the steps after it until the host has reported it: the guard writes the step
 and index to mapped host memory, which the next step reads without waiting, and
 which sync_state, load_state and close read after waiting for the stream. A host
@@ -19,7 +19,7 @@ import ctypes
 import operator
 
 from . import _core, _cuda_ssd, _intake as chk
-from ._cuda import GUARD_THREADS, NONE, THREADS, _M1Buffers, _Mem
+from ._cuda import NONE, THREADS, _M1Buffers, _Mem
 from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
@@ -80,7 +80,8 @@ class _GraphSession:
 
     def capture(self, body):
         """The graph of the guard and the launches body(stream) makes, instantiated and
-        uploaded; body's launches read the guard word."""
+        uploaded; body's launches read the guard word. The guard runs in or just before
+        body's first launch, the block norm (CudaBackend.step_guard)."""
         be, cu = self.be, self.be.cu
         s = be.stream()
         be._sync(s)  # the session's buffers are set
@@ -89,10 +90,11 @@ class _GraphSession:
                 cs, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                 "cuStreamBeginCapture")
             try:
-                be._launch(cs, "mb_step_guard_k", (1,), GUARD_THREADS, self.x.size, self.x,
-                           self.guard.ptr, self.dev_seen)
+                be.step_guard((self.x.size, self.x, self.guard.ptr, self.dev_seen))
                 body(cs)
+                assert be._guard_args is None, "a session step must open with its norm"
             except BaseException:
+                be.step_guard(None)
                 cu.cuStreamEndCapture(cs)  # the body's error is the one to report
                 raise
             graph = be._ck(cu.cuStreamEndCapture(cs), "cuStreamEndCapture")

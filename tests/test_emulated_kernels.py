@@ -333,6 +333,36 @@ def test_device_refusals_and_strided_input(be):
     assert host(gpu.forward(Transposed(be.copy(xt)))) == raw(cpu.forward(x))
 
 
+@pytest.mark.parametrize("name", list(BLOCKS))
+@pytest.mark.parametrize("B", [1, 40])
+def test_session_guard_in_or_before_the_norm(be, monkeypatch, name, B):
+    """A session step's input check runs inside the block norm when the norm is one
+    block taking the input in one round of loads (B 1), else as its own kernel just
+    before it (B 40: two norm blocks); either way a bad device x is refused with its
+    index and the next step has the C reference's bits."""
+    D = BLOCKS[name]["d_model"]
+    cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
+    x = rand((B, 3, D), 40)
+    bad = rand((B, 1, D), 41)
+    idx = B * D - 3
+    memoryview(bad).cast("B").cast("f")[idx] = math.nan
+    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
+    cpu.forward(time_slice(x, 0, 2), st_c)
+    gpu.forward(time_slice(x, 0, 2), st_g)
+    names, launch = [], be._launch
+    monkeypatch.setattr(be, "_launch", lambda s, name, *a, **k: names.append(name) or
+                        launch(s, name, *a, **k))
+    with gpu.decode_session(st_g) as sess:
+        want = ["mb_rms_k", "mb_gemv_k"] if B == 1 else ["mb_step_guard_k", "mb_rms_k"]
+        assert names[:2] == want, names[:2]
+        sess.step(be.copy(bad))
+        with pytest.raises(ValueError, match=f"held a non-finite value .* flat index {idx};"):
+            sess.sync_state()
+        xt = time_slice(x, 2, 3)
+        assert host(sess.step(be.copy(xt))) == raw(cpu.step(xt, st_c))
+    assert state_of(st_g) == state_of(st_c)
+
+
 @pytest.mark.parametrize("M,N,K", [(2, 20, 8193), (2, 20, 3 * 8192 + 5), (20, 20, 2 * 8192),
                                    (130, 20, 8193), (129, 257, 13), (65, 50, 700),
                                    (9, 40, 129)])

@@ -220,9 +220,11 @@ mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
 
 MB_KERNEL void MB_BOUNDS(FN_THREADS)
 mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *w,
-                  float *out, int64_t ldo)
+                  float *out, int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
+                  volatile unsigned long long *host)
 {
     MB_GRID_WAIT();
+    if (g) mb_guard_step(cn, cx, g, host); /* as mb_rms_k */
     __shared__ float part[FN_THREADS / 32];
     __shared__ float r;
     const int tid = threadIdx.x, lane = tid % 32;

@@ -17,13 +17,15 @@ MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long 
  * g[1] the refused step's number, g[2] the count of steps run. The first bad flat
  * index of a step's x and its step number are also written to host (mapped host
  * memory, the number first) for the host to read without a driver call. Once a
- * step is refused the later ones are too, until the host resets g[0]. */
+ * step is refused the later ones are too, until the host resets g[0]. A step
+ * whose norm runs in one block checks its input in that block instead (rmsnorm.cu,
+ * fast.cu: one kernel fewer in the step's graph). */
 #define GUARD_LOADS 8
 
-MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long *g,
-                               volatile unsigned long long *host)
+/* The guard's work, by the threads of one block. */
+MB_DEV void mb_guard_step(int64_t n, const uint32_t *x, unsigned long long *g,
+                          volatile unsigned long long *host)
 {
-    MB_GRID_WAIT();
     __shared__ unsigned long long first;
     if (threadIdx.x == 0) first = ~0ull;
     __syncthreads();
@@ -53,6 +55,13 @@ MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long 
         }
         g[2] = g[2] + 1;
     }
+}
+
+MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long *g,
+                               volatile unsigned long long *host)
+{
+    MB_GRID_WAIT();
+    mb_guard_step(n, x, g, host);
 }
 
 #undef GUARD_LOADS

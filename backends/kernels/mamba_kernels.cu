@@ -1,12 +1,12 @@
 /* The one translation unit nvcc and hipcc compile into the kernel modules
  * the loaders open: every op file, so one module holds every kernel. */
 #include "gemm.cu"
+#include "finite.cu" /* its guard runs in the norms */
 #include "rmsnorm.cu"
 #include "conv.cu"
 #include "scan1.cu"
 #include "residual.cu"
 #include "rows.cu"
-#include "finite.cu"
 #include "copy.cu"
 #include "fast.cu"
 #include "ssd2.cu"

@@ -104,12 +104,16 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
 
 /* out (rows ldo apart, may be x itself): given only when the caller found that one
  * leaf's rows of every block fit the shared memory whole with w (_cuda.py
- * _norm_whole); they are then scaled here, else r alone is written */
+ * _norm_whole); they are then scaled here, else r alone is written. g: a decode
+ * session's guard word, given to a one-block launch, which first checks the step's
+ * input (cn words at cx; finite.cu mb_guard_step) */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
-         int64_t ldo)
+         int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
+         volatile unsigned long long *host)
 {
     MB_GRID_WAIT();
+    if (g) mb_guard_step(cn, cx, g, host);
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
