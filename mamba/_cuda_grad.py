@@ -47,6 +47,7 @@ TILE = 32            # grad.cu GR_TILE; the transpose runs GR_TILE x 8 threads
 NORM_ROWS, NORM_THREADS = 32, 128  # grad.cu GR_ROWS, GR_THREADS
 GRID_Y = 65535
 MAX_SLICES = 32  # token slices of a fast weight gradient
+FOLD_LANES = 32  # grad.cu's token folds: one warp (a block) per 32 chains and leaf
 
 _KERNELS = ("mb_transpose_k", "mb_rms_bwd_rows_k", "mb_rms_bwd_apply_k", "mb_colfold_k",
             "mb_fold_flat_k", "mb_conv_pre_k", "mb_dsilu_mul_k", "mb_conv_bwd_dx_k", "mb_add_k")
@@ -91,16 +92,21 @@ class GradMixin:
         self._gk()
         P = max(1, _cdiv(B * L, LEAF))
         dst, ds, dp = (out, so, 0) if P == 1 else (sc(P * n), 1, n)
-        self._launch(s, "mb_colfold_k", (self._grid(n * P),), THREADS,
+        self._launch(s, "mb_colfold_k", (self._fold_grid(n, P),), FOLD_LANES,
                      B, L, n, a, lda, b, ldb, shift, P, dst, ds, dp)
         if P > 1:
             self.g_fold_leaves(s, P, n, dst, n, out, so)
+
+    def _fold_grid(self, n, P):
+        """Blocks of the token folds: a warp for every 32 chains of a leaf (each a few
+        microseconds of serial fmas), so every multiprocessor gets its share."""
+        return max(1, min(_cdiv(n, FOLD_LANES) * P, 64 * self.sms))
 
     def g_fold_flat(self, s, sc, rows, cols, a, lda, out, b=0, ldb=0, G=1, ga=0, gb=0, so=1):
         self._gk()
         P = max(1, _cdiv(rows * cols, LEAF))
         dst, ds, dp = (out, so, 0) if P == 1 else (sc(P * G), 1, G)
-        self._launch(s, "mb_fold_flat_k", (self._grid(G * P),), THREADS,
+        self._launch(s, "mb_fold_flat_k", (self._fold_grid(G, P),), FOLD_LANES,
                      rows, cols, a, lda, b, ldb, G, ga, gb, P, dst, ds, dp)
         if P > 1:
             self.g_fold_leaves(s, P, G, dst, G, out, so)

@@ -6,6 +6,7 @@ every block, the backward of every block, device arrays and decode sessions. A
 kernel built with one deliberately wrong expression must be caught, and every kernel
 of the library must have run. Skipped only where g++ (or, in a copy of tests/, the
 kernel sources) is missing. Numpy-free."""
+import array
 import glob
 import math
 import os
@@ -16,7 +17,7 @@ import pytest
 import emu
 import mamba
 from mamba import _backends, _core, _cuda, _cuda_session, _cuda_ssd
-from _util import concat_time, rand, raw, rows, time_slice
+from _util import concat_time, floats, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
@@ -370,6 +371,69 @@ def test_gemm(be, M, N, K):
     """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves."""
     X, W = rand((M, K), M), rand((N, K), N)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
+
+
+def _fold_on_device(be, fold, a, b, P):
+    """fold(s, sc, a, b, out) (a g_colfold or g_fold_flat) on the host floats a and b
+    (None: no b) uploaded; the P results back on the host."""
+    be._enter()
+    s = be.stream()
+    out = _core.empty((P,))
+    with _cuda._Scratch(be, s) as sc:
+        ad, bd = (be._on_device(sc, mamba.asarray(array.array("f", x), (len(x),)))
+                  if x is not None else 0 for x in (a, b))
+        od = sc(P)
+        fold(s.cu, sc, ad, bd, od)
+        be._finish(s, [(out, od)])
+    return raw(out)
+
+
+def _dot_v1(terms):
+    """dot v1 of the (a, b) pairs by the C reference's GEMM (a plain sum is fma(a, 1,
+    .); a skipped term is (0, 0), which leaves a chain seeded with +0 as it is)."""
+    K = max(1, len(terms))
+    x = array.array("f", [t[0] for t in terms] or [0.0])
+    w = array.array("f", [t[1] for t in terms] or [0.0])
+    return raw(_core._gemm(mamba.asarray(x, (1, K)), mamba.asarray(w, (1, K)), 1, 1, K))
+
+
+# (B, L, n, lda, ldb or None, shift): leaves cut inside rows, rows shorter than a
+# stage, shifted taps (masked terms), n not a multiple of 32, plain sums
+COLFOLDS = [(3, 5000, 40, 45, 41, 2), (2, 20, 33, 33, None, 0), (1, 8200, 5, 7, 9, 3),
+            (4, 3, 3, 3, 3, 1), (2, 4500, 2, 2, None, 0)]
+# (rows, cols, lda, ldb or None, G, ga, gb): a per-head vector (cols 1), g_D's rows
+# of whole float4s (16-byte copies), runs of 6 (leaves and stages cut inside rows),
+# rows packed at their width
+FLATFOLDS = [(9000, 1, 37, 37, 35, 1, 1), (300, 64, 200, 204, 3, 64, 68),
+             (3000, 6, 10, 7, 2, 6, 6), (5000, 4, 4, None, 1, 0, 0), (7, 5, 9, None, 33, 1, 0)]
+
+
+@pytest.mark.parametrize("grid", [None, 1, 3])
+@pytest.mark.parametrize("case", COLFOLDS + FLATFOLDS, ids=str)
+def test_token_folds(be, case, grid, monkeypatch):
+    """mb_colfold_k / mb_fold_flat_k (with mb_dot_fold_k past a leaf) against dot v1,
+    whatever the grid (a warp walks several (column group, leaf) items)."""
+    if grid is not None:
+        monkeypatch.setattr(be, "_fold_grid", lambda n, P: grid)
+    if len(case) == 6:
+        B, L, n, lda, ldb, shift = case
+        K = B * L
+        a = floats(rand((K * lda,), 60))
+        b = floats(rand((K * ldb,), 61)) if ldb else None
+        got = _fold_on_device(be, lambda s, sc, ad, bd, od: be.g_colfold(
+            s, sc, B, L, n, ad, lda, od, 1, bd, ldb or 0, shift), a, b, n)
+        want = b"".join(_dot_v1([(a[k * lda + c], b[(k - shift) * ldb + c] if b else 1.0)
+                                 if k % L >= shift else (0.0, 0.0) for k in range(K)])
+                        for c in range(n))
+    else:
+        rows, cols, lda, ldb, G, ga, gb = case
+        a = floats(rand(((G - 1) * ga + rows * lda,), 62))
+        b = floats(rand(((G - 1) * gb + rows * ldb,), 63)) if ldb else None
+        got = _fold_on_device(be, lambda s, sc, ad, bd, od: be.g_fold_flat(
+            s, sc, rows, cols, ad, lda, od, bd, ldb or 0, G, ga, gb), a, b, G)
+        want = b"".join(_dot_v1([(a[g * ga + r * lda + c], b[g * gb + r * ldb + c] if b else 1.0)
+                                 for r in range(rows) for c in range(cols)]) for g in range(G))
+    assert got == want
 
 
 @pytest.mark.parametrize("M,n", NORM_SHAPES)

@@ -14,7 +14,8 @@
 #define GR_KC 64       /* columns per shared-memory stage of it (divides 8192) */
 #define GR_THREADS 128
 #define TAPS 4
-#define GR_U 32        /* terms of a chain loaded ahead (mb_chain_run) */
+#define GR_FT 32       /* terms of each chain per stage of the token folds' rings */
+#define GR_FS MB_STAGES /* stages of those rings */
 
 /* A grid-stride walk over the elements (m, c) of an M x C array in flat order, with
  * t = m % L (L = 1 where unused), stepped by additions: a 64-bit division per element
@@ -56,40 +57,6 @@ MB_DEV float mb_dsilu(float z)
 {
     const float s = mb_sigmoid(z);
     return s * (1.0f + z * (1.0f - s));
-}
-
-/* acc continued over k in [0, n), k ascending, by fma(a[k sa], b[k sb], acc) (PROD)
- * or acc + a[k sa]. A thread walking a chain alone has nothing to hide global memory's
- * latency behind, so the next GR_U terms are loaded while the current GR_U are walked. */
-template <bool PROD>
-MB_DEV float mb_chain_run(float acc, int64_t n, const float *a, int64_t sa, const float *b,
-                          int64_t sb)
-{
-    float ca[GR_U], cb[GR_U], na[GR_U], nb[GR_U];
-    const int64_t full = n / GR_U * GR_U;
-#define MB_RUN_LOAD(va, vb, k0)                                                        \
-    _Pragma("unroll") for (int j = 0; j < GR_U; j++) {                                \
-        va[j] = a[((k0) + j) * sa];                                                   \
-        if (PROD) vb[j] = b[((k0) + j) * sb];                                         \
-    }
-    if (full > 0) MB_RUN_LOAD(ca, cb, 0)
-    for (int64_t k = 0; k < full; k += GR_U) {
-        const bool more = k + GR_U < full;
-        if (more) MB_RUN_LOAD(na, nb, k + GR_U)
-#pragma unroll
-        for (int j = 0; j < GR_U; j++) acc = PROD ? fmaf(ca[j], cb[j], acc) : acc + ca[j];
-        if (more) {
-#pragma unroll
-            for (int j = 0; j < GR_U; j++) {
-                ca[j] = na[j];
-                cb[j] = nb[j];
-            }
-        }
-    }
-#undef MB_RUN_LOAD
-    for (int64_t k = full; k < n; k++)
-        acc = PROD ? fmaf(a[k * sa], b[k * sb], acc) : acc + a[k * sa];
-    return acc;
 }
 
 /* dst[c * ldd + r] = src[r * lds + c]; grid (x over column tiles, y over row tiles),
@@ -179,61 +146,226 @@ MB_KERNEL void mb_rms_bwd_apply_k(int64_t M, int64_t n, const float *x, int64_t 
     }
 }
 
-/* Leaf p of column c of mb_colfold: the chain over flat tokens k in [8192 p,
- * min(8192 (p + 1), B L)), t = k % L, skipping t < shift, of a[k lda + c] *
- * b[(k - shift) ldb + c] (b NULL: a plain sum), into out[p * ldp + c * so]. The leaf
- * is walked row by row: row r's terms are the run [r L + shift, (r + 1) L). */
-MB_KERNEL void mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int64_t lda,
-                            const float *b, int64_t ldb, int64_t shift, int64_t P, float *out,
-                            int64_t so, int64_t ldp)
+/* The token folds (mb_colfold_k, mb_fold_flat_k): chain x < n, leaf p is dot v1's
+ * serial chain over the flat terms k in [8192 p, min(8192 (p + 1), K)), k ascending,
+ * of a[x ga + r lda + c] * b[x gb + r ldb + c + bo] with r = k / cols, c = k % cols
+ * (b NULL: a plain sum), terms with k % L < shift skipped, into out[p ldp + x so].
+ *
+ * A lone chain has no other work to hide memory latency behind, so one warp walks
+ * 32 chains (lane i chain x0 + i, one leaf) and each lane feeds its own chain
+ * through a ring of GR_FS stages of GR_FT terms in shared memory, filled by cp.async
+ * GR_FS - 1 stages ahead. A lane copies only the terms it walks, so the lanes never
+ * wait on each other and any launch shape walks every chain in its order. Adjacent
+ * lanes are adjacent columns (a colfold, a per-head fold) or adjacent heads' row runs
+ * (16-byte copies when aligned), so the copies are coalesced or whole sectors. A
+ * lane's stage is a row of GR_FT + 1 floats (4-byte copies: conflict-free across
+ * lanes) or GR_FT + 4 (16-byte copies, walked as float4: conflict-free per phase).
+ * The copies take a tile "plain" (unrolled, no per-term test) when it is whole,
+ * holds no masked term and stays within one row run; the walk, when it is whole. */
+#if defined(__HIPCC__)
+#define GR_WARP_SYNC() ((void)0) /* the copies are synchronous: nothing to order */
+#else
+#define GR_WARP_SYNC() __syncwarp() /* orders a lane's shared reads and its cp.async */
+#endif
+
+struct mb_fold_args {
+    int64_t K, cols, L, shift, n, lda, ga, ldb, gb, bo, P, so, ldp;
+    const float *a, *b;
+    float *out;
+};
+
+/* Where a lane's copies stand: the next term's offsets into a and b, its place c in
+ * its run (a row of cols terms, or one endless run when the terms are evenly spaced)
+ * and its token t (k % L, tracked only when shift > 0). */
+struct mb_fold_pos {
+    int64_t oa, ob, c, t;
+};
+
+/* Copy cnt terms (a multiple of V) of the lane's chain into sa, sb; masked terms
+ * are zero-filled without a read (mb_fold_walk). */
+template <int V, bool PROD>
+MB_DEV void mb_fold_copy(const mb_fold_args &g, mb_fold_pos &q, float *sa, float *sb, int cnt,
+                         int64_t sta, int64_t stb, int64_t run, int64_t ja, int64_t jb)
 {
-    const int64_t K = B * L;
-    MB_GRID_LOOP(i, n * P) {
-        const int64_t c = i % n, p = i / n;
-        const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
-        float acc = 0.0f;
-        for (int64_t r0 = k0 - k0 % L; r0 < k1; r0 += L) {
-            const int64_t s = r0 + shift > k0 ? r0 + shift : k0, e = r0 + L < k1 ? r0 + L : k1;
-            if (s >= e) continue;
-            acc = b ? mb_chain_run<true>(acc, e - s, a + s * lda + c, lda,
-                                         b + (s - shift) * ldb + c, ldb)
-                    : mb_chain_run<false>(acc, e - s, a + s * lda + c, lda, NULL, 0);
+    const bool plain = cnt == GR_FT && q.c + GR_FT <= run &&
+                       (g.shift == 0 || (q.t >= g.shift && q.t + GR_FT <= g.L));
+    if (plain) {
+        const float *pa = g.a + q.oa, *pb = PROD ? g.b + q.ob : NULL;
+#pragma unroll
+        for (int j = 0; j < GR_FT; j += V) {
+            if (V == 4) mb_cp_async16(sa + j, pa, 16); else mb_cp_async4(sa + j, pa, 4);
+            if (PROD) {
+                if (V == 4) mb_cp_async16(sb + j, pb, 16); else mb_cp_async4(sb + j, pb, 4);
+                pb += V * stb;
+            }
+            pa += V * sta;
         }
-        out[p * ldp + c * so] = acc;
+        q.oa += GR_FT * sta;
+        q.ob += GR_FT * stb;
+        q.c += GR_FT;
+        if (g.shift > 0) {
+            q.t += GR_FT;
+            if (q.t == g.L) q.t = 0;
+        }
+    } else {
+        for (int j = 0; j < cnt; j += V) {
+            const bool live = g.shift == 0 || q.t >= g.shift;
+            if (V == 4) {
+                mb_cp_async16(sa + j, g.a + q.oa, 16);
+                if (PROD) mb_cp_async16(sb + j, g.b + q.ob, 16);
+            } else {
+                mb_cp_async4(sa + j, live ? g.a + q.oa : g.a, live ? 4 : 0);
+                if (PROD) mb_cp_async4(sb + j, live ? g.b + q.ob : g.b, live ? 4 : 0);
+            }
+            q.oa += V * sta;
+            q.ob += V * stb;
+            q.c += V;
+            if (g.shift > 0 && ++q.t == g.L) q.t = 0;
+            if (q.c == run) {
+                q.c = 0;
+                q.oa += ja;
+                q.ob += jb;
+            }
+        }
+    }
+    if (q.c == run) { /* a plain tile ended its row */
+        q.c = 0;
+        q.oa += ja;
+        q.ob += jb;
     }
 }
 
-/* Leaf p of group g of mb_fold_flat: the chain over flat indices k = r * cols + c in
- * [8192 p, min(8192 (p + 1), rows cols)) of a[g ga + r lda + c] * b[g gb + r ldb + c]
- * (b NULL: a plain sum), into out[p * ldp + g * so]. Walked as one strided run when
- * the flat index is one (a single column, or rows packed at their width), else as the
- * runs of each row's columns. */
-MB_KERNEL void mb_fold_flat_k(int64_t rows, int64_t cols, const float *a, int64_t lda,
-                              const float *b, int64_t ldb, int64_t G, int64_t ga, int64_t gb,
-                              int64_t P, float *out, int64_t so, int64_t ldp)
+/* acc continued over the cnt staged terms. A masked term was staged as a = b = +0,
+ * which leaves acc as it is (fma(+0, +0, acc) and acc + +0 are acc, acc never being
+ * -0 on a chain seeded with +0): the same bits as skipping it. */
+template <int V, bool PROD>
+MB_DEV float mb_fold_walk(float acc, const float *sa, const float *sb, int cnt)
 {
-    const int64_t K = rows * cols;
-    const bool flat = cols == 1 || (lda == cols && (!b || ldb == cols));
-    const int64_t sa = cols == 1 ? lda : 1, sb = cols == 1 ? ldb : 1;
-    MB_GRID_LOOP(i, G * P) {
-        const int64_t g = i % G, p = i / G;
-        const int64_t k0 = p * MB_DOT_LEAF, k1 = K < k0 + MB_DOT_LEAF ? K : k0 + MB_DOT_LEAF;
-        const float *ag = a + g * ga, *bg = b ? b + g * gb : NULL;
-        float acc = 0.0f;
-        if (flat) {
-            acc = bg ? mb_chain_run<true>(acc, k1 - k0, ag + k0 * sa, sa, bg + k0 * sb, sb)
-                     : mb_chain_run<false>(acc, k1 - k0, ag + k0 * sa, sa, NULL, 0);
-        } else {
-            for (int64_t r = k0 / cols; r * cols < k1; r++) {
-                const int64_t s = r * cols > k0 ? r * cols : k0;
-                const int64_t e = (r + 1) * cols < k1 ? (r + 1) * cols : k1;
-                const float *ar = ag + r * lda + (s - r * cols);
-                acc = bg ? mb_chain_run<true>(acc, e - s, ar, 1, bg + r * ldb + (s - r * cols), 1)
-                         : mb_chain_run<false>(acc, e - s, ar, 1, NULL, 0);
+    if (cnt == GR_FT) {
+        if (V == 4) {
+#pragma unroll
+            for (int j = 0; j < GR_FT; j += 4) {
+                const float4 x = *(const float4 *)(sa + j);
+                if (PROD) {
+                    const float4 y = *(const float4 *)(sb + j);
+                    acc = fmaf(x.x, y.x, acc);
+                    acc = fmaf(x.y, y.y, acc);
+                    acc = fmaf(x.z, y.z, acc);
+                    acc = fmaf(x.w, y.w, acc);
+                } else {
+                    acc = acc + x.x;
+                    acc = acc + x.y;
+                    acc = acc + x.z;
+                    acc = acc + x.w;
+                }
             }
+        } else {
+#pragma unroll
+            for (int j = 0; j < GR_FT; j++) acc = PROD ? fmaf(sa[j], sb[j], acc) : acc + sa[j];
         }
-        out[p * ldp + g * so] = acc;
+        return acc;
     }
+    for (int j = 0; j < cnt; j++) acc = PROD ? fmaf(sa[j], sb[j], acc) : acc + sa[j];
+    return acc;
+}
+
+/* The fold's chains, warp by warp (a grid-stride loop over (column group, leaf)). */
+template <int V, bool PROD>
+MB_DEV void mb_fold_run(const mb_fold_args &g, float *st)
+{
+    constexpr int S = GR_FT + (V == 4 ? 4 : 1);
+    const int lane = threadIdx.x % 32;
+    const int64_t nx = (g.n + 31) / 32, items = nx * g.P;
+    /* Evenly spaced terms (one column, or rows packed at their width) are one run. */
+    const bool one = g.cols == 1 || (g.lda == g.cols && (!PROD || g.ldb == g.cols));
+    const int64_t sta = g.cols == 1 ? g.lda : 1, stb = g.cols == 1 ? g.ldb : 1;
+    const int64_t run = one ? INT64_MAX : g.cols;
+    const int64_t ja = one ? 0 : g.lda - g.cols, jb = one ? 0 : g.ldb - g.cols;
+    for (int64_t w = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < items;
+         w += (int64_t)gridDim.x * blockDim.x / 32) {
+        const int64_t p = w / nx, x0 = (w % nx) * 32;
+        /* lanes past n walk chain n - 1 too (every lane keeps the warp's pace), unwritten */
+        const int64_t x = x0 + lane < g.n ? x0 + lane : g.n - 1;
+        const int64_t k0 = p * MB_DOT_LEAF, k1 = g.K < k0 + MB_DOT_LEAF ? g.K : k0 + MB_DOT_LEAF;
+        const int64_t r0 = k0 < g.K ? k0 / g.cols : 0, c0 = k0 < g.K ? k0 % g.cols : 0;
+        mb_fold_pos q;
+        q.oa = x * g.ga + r0 * g.lda + c0;
+        q.ob = x * g.gb + r0 * g.ldb + c0 + g.bo;
+        q.c = one ? 0 : c0;
+        q.t = g.shift > 0 && k0 < g.K ? k0 % g.L : 0;
+        int64_t kc = k0;
+        const int tiles = (int)((k1 - k0 + GR_FT - 1) / GR_FT);
+        float acc = 0.0f;
+        for (int i = 0; i < GR_FS - 1; i++) {
+            if (i < tiles) {
+                const int cnt = k1 - kc < GR_FT ? (int)(k1 - kc) : GR_FT;
+                float *sa = st + ((i * 2) * 32 + lane) * S, *sb = sa + 32 * S;
+                mb_fold_copy<V, PROD>(g, q, sa, sb, cnt, sta, stb, run, ja, jb);
+                kc += cnt;
+            }
+            mb_cp_commit();
+        }
+        for (int i = 0; i < tiles; i++) {
+            if (i + GR_FS - 1 < tiles) {
+                const int cnt = k1 - kc < GR_FT ? (int)(k1 - kc) : GR_FT;
+                float *sa = st + ((((i + GR_FS - 1) % GR_FS) * 2) * 32 + lane) * S;
+                mb_fold_copy<V, PROD>(g, q, sa, sa + 32 * S, cnt, sta, stb, run, ja, jb);
+                kc += cnt;
+            }
+            mb_cp_commit();
+            mb_cp_wait<GR_FS - 1>();
+            GR_WARP_SYNC();
+            const int64_t kw = k0 + (int64_t)i * GR_FT;
+            const int cnt = k1 - kw < GR_FT ? (int)(k1 - kw) : GR_FT;
+            const float *sa = st + (((i % GR_FS) * 2) * 32 + lane) * S;
+            acc = mb_fold_walk<V, PROD>(acc, sa, sa + 32 * S, cnt);
+            GR_WARP_SYNC(); /* the next copy refills this stage */
+        }
+        if (x0 + lane < g.n) g.out[p * g.ldp + x * g.so] = acc;
+    }
+}
+
+/* 16-byte copies when every run of a lane's terms is whole aligned float4s. The
+ * ring: per stage, a row of a's terms then one of b's per lane (one warp a block:
+ * the kernels launch 32 threads a block). */
+MB_DEV void mb_fold(const mb_fold_args &g)
+{
+    __shared__ __attribute__((aligned(16))) float ring[GR_FS * 2 * 32 * (GR_FT + 4)];
+    const bool one = g.cols == 1 || (g.lda == g.cols && (!g.b || g.ldb == g.cols));
+    const bool vec = g.cols > 1 && g.shift == 0 && g.cols % 4 == 0 && g.K % 4 == 0 &&
+                     (one || (g.lda % 4 == 0 && (!g.b || g.ldb % 4 == 0))) && g.ga % 4 == 0 &&
+                     (uintptr_t)g.a % 16 == 0 &&
+                     (!g.b || ((uintptr_t)g.b % 16 == 0 && g.gb % 4 == 0 && g.bo % 4 == 0));
+    if (vec) {
+        if (g.b) mb_fold_run<4, true>(g, ring); else mb_fold_run<4, false>(g, ring);
+    } else {
+        if (g.b) mb_fold_run<1, true>(g, ring); else mb_fold_run<1, false>(g, ring);
+    }
+}
+
+/* mb_colfold: column c's chain over flat tokens k (t = k % L, t < shift skipped) of
+ * a[k lda + c] * b[(k - shift) ldb + c] (b NULL: a plain sum), leaf p into
+ * out[p * ldp + c * so]. One warp per 32 columns and leaf (mb_fold). */
+MB_KERNEL void MB_BOUNDS(32)
+mb_colfold_k(int64_t B, int64_t L, int64_t n, const float *a, int64_t lda, const float *b,
+             int64_t ldb, int64_t shift, int64_t P, float *out, int64_t so, int64_t ldp)
+{
+    const mb_fold_args g = {B * L, 1, L, shift, n, lda, 1, ldb, 1, -shift * ldb, P, so, ldp,
+                            a, b, out};
+    mb_fold(g);
+}
+
+/* mb_fold_flat, G of them: group g's chain over flat indices k = r * cols + c of
+ * a[g ga + r lda + c] * b[g gb + r ldb + c] (b NULL: a plain sum), leaf p into
+ * out[p * ldp + g * so]. One warp per 32 groups and leaf (mb_fold). */
+MB_KERNEL void MB_BOUNDS(32)
+mb_fold_flat_k(int64_t rows, int64_t cols, const float *a, int64_t lda, const float *b,
+               int64_t ldb, int64_t G, int64_t ga, int64_t gb, int64_t P, float *out,
+               int64_t so, int64_t ldp)
+{
+    const mb_fold_args g = {rows * cols, cols, 1, 0, G, lda, ga, ldb, gb, 0, P, so, ldp,
+                            a, b, out};
+    mb_fold(g);
 }
 
 /* The conv of reference/conv.c from a zero window over B rows of L tokens (a prefill
@@ -292,4 +424,6 @@ MB_KERNEL void mb_add_k(int64_t n, const float *a, const float *b, float *out)
 #undef GR_KC
 #undef GR_THREADS
 #undef TAPS
-#undef GR_U
+#undef GR_FT
+#undef GR_FS
+#undef GR_WARP_SYNC
