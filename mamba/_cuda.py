@@ -603,9 +603,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         P = _cdiv(K, LEAF)
         return P * M * N if P > 1 else 0
 
-    def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0):
+    def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0,
+             conv=None):
         """Y = X . W^T, plus res (the residual, Y's layout, ld ldy) when given; guard
-        (a session's, GEMV paths only) makes a refused step's Y NaN.
+        (a session's, GEMV paths only) makes a refused step's Y NaN. conv: a one-token
+        call's conv step on Y's columns [c0, c0 + C), (c0, C, window, w, bias, u, ldu,
+        guard) as mb_conv_step_k takes them: in the GEMV's epilogue (one kernel fewer
+        a step), else right after.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
@@ -614,21 +618,32 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         to 64 the chain GEMV."""
         if M == 0 or N == 0:
             return
+        assert not (conv and (res or guard))
+        epi = (0,) * 7
+        if conv and (M <= FAST_GEMV_MAX_M if fast else M <= GEMV_MAX_M and K <= LEAF):
+            epi, guard, conv = conv[:7], conv[7], None
         if fast and M <= FAST_GEMV_MAX_M:
             self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
-                         M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard)
-            return
-        if fast and M > GEMV_MAX_M and self.tensor_cores:
+                         M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard, *epi)
+        elif fast and M > GEMV_MAX_M and self.tensor_cores:
             assert not guard
             self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_BN), _cdiv(M, TF32_BM)),
                          TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy,
                          smem=TF32_SMEM)
-            return
+        else:
+            self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi)
+        if conv:
+            c0, C, window, w, bias, u, ldu, cguard = conv
+            self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k", (self._grid(M * C),),
+                         THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w, bias, u, ldu, cguard)
+
+    def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi):
+        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none)."""
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:
             name, threads, smem = "mb_gemv_k", GEMV_THREADS, self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
-            tail = (res, ldy, guard)
+            tail = (res, ldy, guard) + epi
         else:
             assert not guard
             name, bm, bn, threads = (GEMM_RES if res else
@@ -729,8 +744,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _m1_launch(self, s, fast, w, dm, B, L, off, M, xd, cw, h, yd, b, ragged, guard=0):
         """The launches of one Mamba-1 call on stream s: x (xd, padded (B, L, dm)) to
         y (yd), state (cw, h) updated in place, scratch b (_M1Buffers). A decode call
-        (L = 1) moves the conv window in the conv kernel; guard is a session's guard
-        word (finite.cu)."""
+        (L = 1) moves the conv window in the conv step (in in_proj's GEMV where it
+        can); guard is a session's guard word (finite.cu)."""
         di, R = 2 * dm, _cdiv(dm, 16)
         XR = R + 32
         norm_w, in_proj, conv_w, conv_b, x_proj, dt_w, dt_b, A_log, D, out_proj = w
@@ -741,12 +756,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xs)
         self._rmsnorm(s, fast, M, dm, xs, norm_w, b.xn, b.r)
-        self.gemm(s, M, 2 * di, dm, b.xn, dm, in_proj, dm, b.xz, 2 * di, b.parts, fast)
+        step = (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None
+        self.gemm(s, M, 2 * di, dm, b.xn, dm, in_proj, dm, b.xz, 2 * di, b.parts, fast, conv=step)
         rows = min(B, 65535)
-        if L == 1:
-            self._launch(s, pre + "conv_step_k", (self._grid(B * di),), THREADS,
-                         B, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di, guard)
-        else:
+        if L > 1:
             self._launch(s, pre + "conv_silu_k", (self._grid(_cdiv(L, CONV_RUN) * di), rows),
                          THREADS, B, off, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di)
             self._launch(s, "mb_conv_window_k", (self._grid(B * di),), THREADS,

@@ -314,15 +314,12 @@ class M2Session(_SsdSession):
         S, Ec = a(B * H * HP * NS), a(B * H)
         G, Yo = a(B * M2_Q), a(B * H * HP)  # the step's dots with C_t
         scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
-        conv = "mb_fast_conv_step_k" if fast else "mb_conv_step_k"
         g, L = self.guard.ptr, be._launch
         sc = self.front_arena(NP)
 
         def body(cs):
             xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
-                                   fast)
-            L(cs, conv, (be._grid(B * CD),), THREADS,
-              B, CD, zx + 4 * di, NP, cw, conv_w, conv_b, unew, CD, g)
+                                   fast, (di, CD, cw, conv_w, conv_b, unew, CD, g))
             L(cs, "mb_m2_step_in_k", (be._grid(B * (CD + H)),), THREADS,
               B, H, CD, unew, zx + 4 * (di + CD), NP, dt_bias, A_log,
               _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,

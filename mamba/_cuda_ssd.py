@@ -134,16 +134,20 @@ class SsdMixin:
     def _rows_grid(self, n, B):
         return (self._grid(n), min(B, 65535))
 
-    def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast):
-        """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows."""
+    def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast,
+               conv=None):
+        """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows; conv:
+        a one-token call's conv step on zx's columns (gemm's)."""
         xd, xn, (zx,) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, (NP,),
-                                         parts, fast)
+                                         parts, fast, conv)
         return xd, xn, zx
 
-    def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast):
+    def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast,
+                    conv=None):
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
-        (x, xn, [blocks]). Each output is the same dot product either way."""
+        (x, xn, [blocks]). Each output is the same dot product either way. conv goes
+        with the first block."""
         C = self._ssd_fn()
         M = I["M"]
         xs = self._on_device(sc, x)
@@ -158,7 +162,7 @@ class SsdMixin:
         for n in widths:
             blocks.append(sc(M * n))
             self.gemm(s, M, n, dm, xn, dm, C._ptr(in_proj) + 4 * col * dm, dm, blocks[-1], n, parts,
-                      fast)
+                      fast, conv=None if col else conv)
             col += n
         return xd, xn, blocks
 

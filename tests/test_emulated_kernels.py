@@ -462,6 +462,27 @@ def test_fast_mode_is_close(be, name):
         assert err <= FAST_RTOL, f"{name} fast mode: relative L2 error {err:.2e}"
 
 
+@pytest.mark.parametrize("mode,B", [("identical", 65), ("fast", 9)])
+def test_step_conv_after_a_wider_projection(be, mode, B):
+    """A one-token call's conv step runs in in_proj's GEMV epilogue only on the GEMV
+    paths (64 rows identical, 8 fast); past them the projection runs whole and the
+    conv step kernel after it: the C reference's bits (identical), fast mode's
+    bound (fast)."""
+    cpu, gpu = make("mamba1", backend="cpu"), make("mamba1", backend="cuda", numeric_mode=mode)
+    x = rand((B, 3, cpu.d_model), 50)
+    st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
+    cpu.forward(time_slice(x, 0, 2), st_c)
+    gpu.forward(time_slice(x, 0, 2), st_g)
+    want = cpu.step(time_slice(x, 2, 3), st_c)
+    got = gpu.step(time_slice(x, 2, 3), st_g)
+    if mode == "identical":
+        assert raw(got) == raw(want) and state_of(st_g) == state_of(st_c)
+        return
+    w, g = memoryview(want).cast("B").cast("f"), memoryview(got).cast("B").cast("f")
+    err = math.sqrt(sum((a - b) ** 2 for a, b in zip(g, w)) / sum(b * b for b in w))
+    assert err <= FAST_RTOL, f"fast step: relative L2 error {err:.2e}"
+
+
 # ------------------------------------------------------------------ the checker itself
 def test_sabotaged_kernel_is_caught(be, monkeypatch):
     """conv.cu built with the reference's MB_SABOTAGE_CONV_REVERSED (the conv taps

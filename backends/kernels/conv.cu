@@ -83,9 +83,24 @@ MB_KERNEL void mb_conv_window_k(int64_t B, const int64_t *off, int64_t C, const 
     }
 }
 
-/* One token per row (row b of in is its token): the window's last three inputs
- * and the token make the taps, then the window moves on by one, unless the
- * session guard refused the step. */
+/* One token per row: channel c of row b takes token x; the window's last three
+ * inputs and the token make the taps, then the window moves on by one, unless the
+ * session guard refused the step (keep false). The decode GEMVs run it in their
+ * epilogue on in_proj's conv columns (gemm.cu, fast.cu), saving a kernel a step. */
+template <class F>
+MB_DEV void conv_step_one(int64_t b, int64_t c, float x, int64_t C, float *window,
+                          const float *w, const float *bias, float *u, int64_t ldu, bool keep)
+{
+    float *win = window + (b * C + c) * TAPS;
+    const float v[TAPS] = {win[1], win[2], win[3], x};
+    u[b * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
+    if (keep) {
+#pragma unroll
+        for (int k = 0; k < TAPS; k++) win[k] = v[k];
+    }
+}
+
+/* conv_step_one of every channel of B rows (row b of in is its token) */
 template <class F>
 MB_DEV void conv_step(int64_t B, int64_t C, const float *in, int64_t ldi, float *window,
                       const float *w, const float *bias, float *u, int64_t ldu,
@@ -94,14 +109,20 @@ MB_DEV void conv_step(int64_t B, int64_t C, const float *in, int64_t ldi, float 
     const bool keep = !mb_refused(guard);
     MB_GRID_LOOP(i, B * C) {
         const int64_t b = i / C, c = i % C;
-        float *win = window + i * TAPS;
-        const float v[TAPS] = {win[1], win[2], win[3], in[b * ldi + c]};
-        u[b * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
-        if (keep) {
-#pragma unroll
-            for (int k = 0; k < TAPS; k++) win[k] = v[k];
-        }
+        conv_step_one<F>(b, c, in[b * ldi + c], C, window, w, bias, u, ldu, keep);
     }
+}
+
+/* The conv-step arguments of the decode GEMVs (c0 and C: the conv channels are
+ * columns [c0, c0 + C) of the output; window NULL: none). */
+#define MB_CONV_EPI_ARGS                                                              \
+    int64_t c0, int64_t C, float *window, const float *cw, const float *cb, float *u, int64_t ldu
+
+/* The epilogue's part: output (m, n) when n is a conv column. */
+template <class F>
+MB_DEV void conv_epilogue(int64_t m, int64_t n, float v, bool keep, MB_CONV_EPI_ARGS)
+{
+    if (window && n >= c0 && n < c0 + C) conv_step_one<F>(m, n - c0, v, C, window, cw, cb, u, ldu, keep);
 }
 
 MB_KERNEL void mb_conv_step_k(int64_t B, int64_t C, const float *in, int64_t ldi, float *window,

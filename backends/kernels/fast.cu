@@ -156,14 +156,14 @@ mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
 
 /* ---- decode GEMV ----------------------------------------------------------------
  * Warp w of block b takes W row n = 8 b + w for every row of X, 8 rows at a time;
- * lanes stride over k (float4 when aligned) and a shuffle tree sums them. res and
- * guard as in mb_gemv_k (gemm.cu). */
+ * lanes stride over k (float4 when aligned) and a shuffle tree sums them. res,
+ * guard and the conv epilogue as in mb_gemv_k (gemm.cu). */
 #define FG_THREADS 256
 
 MB_KERNEL void MB_BOUNDS(FG_THREADS)
 mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
                int64_t ldw, float *Y, int64_t ldy, const float *res, int64_t ldr,
-               const unsigned long long *guard)
+               const unsigned long long *guard, MB_CONV_EPI_ARGS)
 {
     MB_GRID_WAIT();
     const int lane = threadIdx.x % 32;
@@ -208,6 +208,7 @@ mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
                 float v = acc[j];
                 if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
                 Y[m * ldy + n] = v;
+                conv_epilogue<mb_fast>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
             }
         }
     }

@@ -225,7 +225,8 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * are padded by 4 floats: a quarter-warp's float4 reads of 8 rows then fall in
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
- * Y = res + chain, NaN when the session guard refused the step. Dynamic shared
+ * Y = res + chain, NaN when the session guard refused the step; a decode step's
+ * conv (conv.cu conv_epilogue) may run on the outputs' conv columns. Dynamic shared
  * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py gemv_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
@@ -237,7 +238,7 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
 MB_KERNEL void MB_BOUNDS(GV_THREADS)
 mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
           int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr,
-          const unsigned long long *guard)
+          const unsigned long long *guard, MB_CONV_EPI_ARGS)
 {
     extern __shared__ __align__(16) float sm[];
     float *Ws = sm, *Xs = sm + GV_STAGES * GV_ROWS * GV_LD;
@@ -297,6 +298,7 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         float v = acc;
         if (res) v = mb_refused(guard) ? MB_QNAN : res[m * ldr + n] + v;
         Y[m * ldy + n] = v;
+        conv_epilogue<mb_identical>(m, n, v, !mb_refused(guard), c0, C, window, cw, cb, u, ldu);
     }
 }
 
