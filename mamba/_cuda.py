@@ -49,6 +49,7 @@ FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, th
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
 SCAN_CHANNELS = 8    # scan1.cu: channels per block of 16 lanes each
+SCAN_P_CHANNELS = 32  # scan1.cu SP_C: fast prefill, channels per block of 4 lanes each
 CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
@@ -58,7 +59,7 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_f
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
-           "mb_fast_conv_step_k", "mb_fast_scan1_k")
+           "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_fast_scan1p_k")
 # Kernels that pass MB_GRID_WAIT() (vendor.h) in every thread: in a session's graph
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
@@ -766,8 +767,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          B, off, di, b.xz, 2 * di, cw)
         self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
         self.gemm(s, M, di, R, b.xdbl, XR, dt_w, R, b.dtp, di, b.parts, fast)
-        self._launch(s, pre + "scan1_k", (_cdiv(di, SCAN_CHANNELS), rows),
-                     16 * SCAN_CHANNELS,
+        ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if fast and L > 1 else
+                           (SCAN_CHANNELS, 16, "scan1_k"))  # fast prefill: 4 states a lane
+        self._launch(s, pre + name, (_cdiv(di, ch), rows), lanes * ch,
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
         self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
 

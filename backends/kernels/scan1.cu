@@ -98,6 +98,105 @@ MB_KERNEL void mb_fast_scan1_k(MB_SCAN1_ARGS)
     scan1<mb_fast>(B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard);
 }
 
+/* numeric_mode="fast", a call of more than one token (any order may be taken):
+ * four lanes per channel, each holding four of its 16 states in registers, so the
+ * step is one fmaf per state and y = dot(C, h) a four-term sum per lane joined by
+ * two shuffles; no shared-memory round trip of h. Per group of SP_G tokens the
+ * block stages delta's input, u, z (SP_C channels) and the tokens' B and C rows in a
+ * ring of SP_STAGES stages (cp.async, SP_STAGES - 1 groups ahead), then turns delta's
+ * input into delta in place. Grid (x over channels / SP_C, y over rows). */
+#define SP_C 32
+#define SP_G 16
+#define SP_STAGES 3
+#define SP_THREADS (4 * SP_C)
+#define SP_LD (SP_C + 4)
+
+MB_KERNEL void MB_BOUNDS(SP_THREADS)
+mb_fast_scan1p_k(MB_SCAN1_ARGS)
+{
+    __shared__ __align__(16) float sd[SP_STAGES][SP_G][SP_LD], su[SP_STAGES][SP_G][SP_LD];
+    __shared__ __align__(16) float sz[SP_STAGES][SP_G][SP_LD], sbc[SP_STAGES][SP_G][2 * NS + 4];
+    const int tid = threadIdx.x, q = tid % 4, k = tid / 4; /* channel k, states 4q..4q+3 */
+    const int64_t XR = R + 2 * NS, c0 = (int64_t)blockIdx.x * SP_C, cl = c0 + k;
+    const bool live = cl < di;
+    const int64_t c = live ? cl : di - 1;
+    float a[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) a[j] = -mb_fast::exp(A_log[c * NS + 4 * q + j]);
+    const float Dc = D[c];
+    const bool vd = (di & 3) == 0 && (((uintptr_t)dtp | (uintptr_t)u | (uintptr_t)xz) & 15) == 0;
+    const bool vb = (XR & 3) == 0 && (R & 3) == 0 && ((uintptr_t)xdbl & 15) == 0;
+    for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+        const int64_t t0 = off[b], t1 = off[b + 1];
+        const int64_t groups = (t1 - t0 + SP_G - 1) / SP_G;
+        float hv[4];
+        float *hp = h + (b * di + c) * NS + 4 * q;
+#pragma unroll
+        for (int j = 0; j < 4; j++) hv[j] = hp[j];
+#define SP_ISSUE(gi)                                                                   \
+    {                                                                                 \
+        const int st = (int)((gi) % SP_STAGES);                                       \
+        const int64_t g = t0 + (gi) * SP_G;                                           \
+        const int ng = t1 - g < SP_G ? (int)(t1 - g) : SP_G;                          \
+        mb_stage_rows(&sd[st][0][0], SP_LD, dtp + g * di, di, ng, SP_C, c0, di, vd, tid, \
+                      SP_THREADS);                                                    \
+        mb_stage_rows(&su[st][0][0], SP_LD, u + g * di, di, ng, SP_C, c0, di, vd, tid,  \
+                      SP_THREADS);                                                    \
+        mb_stage_rows(&sz[st][0][0], SP_LD, xz + g * 2 * di + di, 2 * di, ng, SP_C, c0, di, \
+                      vd, tid, SP_THREADS);                                           \
+        mb_stage_rows(&sbc[st][0][0], 2 * NS + 4, xdbl + g * XR + R, XR, ng, 2 * NS, 0,  \
+                      2 * NS, vb, tid, SP_THREADS);                                   \
+    }
+        __syncthreads(); /* the previous row's stages are consumed */
+        for (int s = 0; s < SP_STAGES - 1; s++) {
+            if (s < groups) SP_ISSUE(s)
+            mb_cp_commit();
+        }
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int st = (int)(gi % SP_STAGES);
+            const int64_t g = t0 + gi * SP_G;
+            const int ng = t1 - g < SP_G ? (int)(t1 - g) : SP_G;
+            mb_cp_wait<SP_STAGES - 2>();
+            __syncthreads(); /* stage gi landed; the stage refilled next was consumed */
+            if (gi + SP_STAGES - 1 < groups) SP_ISSUE(gi + SP_STAGES - 1)
+            mb_cp_commit();
+            for (int e = tid; e < ng * SP_C; e += SP_THREADS) {
+                const int tk = e / SP_C, ch = e % SP_C;
+                const int64_t cc = c0 + ch < di ? c0 + ch : di - 1;
+                sd[st][tk][ch] = mb_fast::softplus(sd[st][tk][ch] + dt_b[cc]);
+            }
+            __syncthreads();
+            for (int i = 0; i < ng; i++) {
+                const float dl = sd[st][i][k], du = dl * su[st][i][k];
+                const float4 Bv = *(const float4 *)&sbc[st][i][4 * q];
+                const float4 Cv = *(const float4 *)&sbc[st][i][NS + 4 * q];
+                const float bv[4] = {Bv.x, Bv.y, Bv.z, Bv.w}, cv[4] = {Cv.x, Cv.y, Cv.z, Cv.w};
+                float y = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    hv[j] = fmaf(mb_fast::exp(dl * a[j]), hv[j], du * bv[j]);
+                    y = fmaf(cv[j], hv[j], y);
+                }
+                y += MB_SHFL_XOR(y, 1);
+                y += MB_SHFL_XOR(y, 2);
+                if (q == 0 && live)
+                    yi[(g + i) * di + c] = (y + su[st][i][k] * Dc) * mb_fast::silu(sz[st][i][k]);
+            }
+        }
+#undef SP_ISSUE
+        if (live) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) hp[j] = hv[j];
+        }
+    }
+    mb_cp_wait<0>();
+}
+
+#undef SP_C
+#undef SP_G
+#undef SP_STAGES
+#undef SP_THREADS
+#undef SP_LD
 #undef MB_SCAN1_ARGS
 
 #undef NS
