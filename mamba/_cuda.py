@@ -767,8 +767,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          B, off, di, b.xz, 2 * di, cw)
         self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
         self.gemm(s, M, di, R, b.xdbl, XR, dt_w, R, b.dtp, di, b.parts, fast)
-        ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if fast and L > 1 else
-                           (SCAN_CHANNELS, 16, "scan1_k"))  # fast prefill: 4 states a lane
+        # a fast prefill wide enough to give each multiprocessor about 12 warps of the
+        # four-states-a-lane scan (each walks its tokens' chain alone) takes it
+        wide = fast and L > 1 and B * di >= 96 * self.sms
+        ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if wide else
+                           (SCAN_CHANNELS, 16, "scan1_k"))
         self._launch(s, pre + name, (_cdiv(di, ch), rows), lanes * ch,
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
         self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
