@@ -9,11 +9,12 @@ would give a one-token call, and moves the count on; the host keeps its own copy
 of the count in step with the device's, in the session's state.
 
 The graph's first kernel (the block norm, or mb_step_guard_k just before it:
-CudaBackend.step_guard) checks the step's input on the device. A refused step (a NaN or inf in x) leaves the state alone, gives NaN outputs, and
-so do the steps after it until the host has reported it: the guard writes the step
-and index to mapped host memory, which the next step reads without waiting, and
-which sync_state, load_state and close read after waiting for the stream. A host
-input is checked on the host before it is uploaded.
+CudaBackend.step_guard) checks the step's input on the device. A refused step (a NaN
+or inf in x) leaves the state alone, gives NaN outputs, and so do the steps after it
+until the host has reported it: the guard writes the step and index to mapped host
+memory, which the next step reads without waiting, and which sync_state, load_state
+and close read after waiting for the stream. A host input is checked on the host
+before it is uploaded.
 """
 import ctypes
 import operator
@@ -354,16 +355,17 @@ class M2Session(_SsdSession):
 
 class M3Session(_SsdSession):
     """Mamba-3 (_cuda_ssd._m3_forward at L = 1). The one-token kernels compute the
-    new token into rows of their own, mb_m3_step_rows_k places it in the working
-    chunk, a sealing step folds the old chunk from copies with the new row after it,
-    and mb_m3_step_y_k gives the output row, carrying the seg columns and the cumsum
-    between steps as Mamba-2's does (ssd_step.cu). A step that consumes Input_States
-    (the state's pending flag) runs a second graph with the pending kernel; its x is
-    checked before the launch, so that it is never refused."""
+    new token into rows of their own (v is read from in_proj's rows),
+    mb_m3_step_rows_k places it in the working chunk, a sealing step folds the old
+    chunk from copies with the new row after it, and mb_m3_step_y_k gives the output
+    row, carrying the seg columns and the cumsum between steps as Mamba-2's does
+    (ssd_step.cu). A step that consumes Input_States (the state's pending flag) runs a
+    second graph with the pending kernel; its x is checked before the launch, so that
+    it is never refused."""
     SCALARS = ("buffered_tokens", "pending")
-    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k", "mb_ssd_put_k",
-               "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-               "mb_m3_fold_k", "mb_m3_last_k")
+    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k", "mb_m3_prep_k",
+               "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k",
+               "mb_m3_last_k")
 
     @staticmethod
     def advance(count, n):
@@ -383,7 +385,7 @@ class M3Session(_SsdSession):
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
         # the new token's rows, the seal's copies, what the step carries
-        qn, kn, vn = a(B * H * NS), a(B * H * NS), a(B * di)
+        qn, kn = a(B * H * NS), a(B * H * NS)
         dtn, sgn, adn, qgn, TA = a(B * H), a(B * H), a(B * H), a(B * H), a(B * NA)
         E1 = B * (M3_Q + 1)
         sk, sv, sdt, ssg, sad = a(E1 * H * NS), a(E1 * di), a(E1 * H), a(E1 * H), a(E1 * H)
@@ -404,8 +406,6 @@ class M3Session(_SsdSession):
             L(cs, "mb_m3_prep_k", be._rows_grid(H + NA, B), THREADS,
               B, off, new, zero, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias,
               dtn, sgn, adn, qgn, TA)
-            L(cs, "mb_ssd_put_k", be._rows_grid(di, B), THREADS,
-              B, off, new, zero, di, zx + 4 * di, NP, vn)
             L(cs, "mb_m3_angles_k", (be._grid(B * H * NA),), THREADS,
               B, H, off, new, zero, TA, dtn, theta, qn, 0)
             L(cs, "mb_m3_rotate_k", be._rows_grid(H * NA, B), THREADS,
@@ -416,7 +416,8 @@ class M3Session(_SsdSession):
                 for p, n in ((pk, B * H * NS), (pv, B * H * HP)):
                     be._fill32(cs, p, 0, n)
             L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 3)),),  # a seal loops
-              THREADS, B, H, scal, qn, kn, vn, dtn, sgn, adn, bq, bk, bv, bdt, bsg, bad,
+              THREADS, B, H, scal, qn, kn, zx + 4 * di, NP, dtn, sgn, adn, bq, bk, bv, bdt, bsg,
+              bad,
               sk, sv, sdt, ssg, sad)
             L(cs, "mb_m3_fold_k", (B, H), FOLD_THREADS,
               fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)

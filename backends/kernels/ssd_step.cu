@@ -280,14 +280,14 @@ MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int
 }
 
 /* One array's part of m3_step_rows: element c of row j of batch row b. Without a
- * seal, the new row (nw, B rows of W) into buffer row w; at a seal, buffer row j
+ * seal, the new row (nw, B rows of W, ldn apart) into buffer row w; at a seal, buffer row j
  * first into the seal copy (B, 65, W) when there is one, then the new row into
  * buffer row 0 and zeros after it; next: the new row is also the seal copy's row 64
  * (the row after the sealed chunk, whose dt and sigmoid complete its trapezoid). */
 MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, int64_t w,
-                        const float *nw, float *buf, float *save, bool next)
+                        const float *nw, int64_t ldn, float *buf, float *save, bool next)
 {
-    const float v = nw[b * W + c];
+    const float v = nw[b * ldn + c];
     if (!seal) {
         buf[(b * M3Q + w) * W + c] = v;
         return;
@@ -300,13 +300,14 @@ MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, i
     *at = j == 0 ? v : 0.0f;
 }
 
-/* Mamba-3: the new token's rows (q, k, v, dt, sig, A*dt, computed into rows of
- * their own by the one-token kernels) into the working chunk's buffers, as the
+/* Mamba-3: the new token's rows (q, k, dt, sig, A*dt, computed into rows of their
+ * own by the one-token kernels, and v, read from in_proj's rows ldv apart) into the
+ * working chunk's buffers, as the
  * plan in scal says; at a seal the old chunk is first copied for its fold and the
  * buffers keep only the new row (as _Plan's store does). Nothing when the step was
  * refused. */
 MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, const float *qn,
-                                 const float *kn, const float *vn, const float *dtn,
+                                 const float *kn, const float *vn, int64_t ldv, const float *dtn,
                                  const float *sgn, const float *adn, float *bq, float *bk,
                                  float *bv, float *bdt, float *bsg, float *bad, float *sk,
                                  float *sv, float *sdt, float *ssg, float *sad)
@@ -320,17 +321,17 @@ MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, cons
         const int64_t b = i / (rows * WT), j = (i / WT) % rows;
         int64_t c = i % WT;
         if (c < WQ)
-            m3_step_row(b, j, c, WQ, seal, w, qn, bq, nullptr, false);
+            m3_step_row(b, j, c, WQ, seal, w, qn, WQ, bq, nullptr, false);
         else if ((c -= WQ) < WQ)
-            m3_step_row(b, j, c, WQ, seal, w, kn, bk, sk, false);
+            m3_step_row(b, j, c, WQ, seal, w, kn, WQ, bk, sk, false);
         else if ((c -= WQ) < WV)
-            m3_step_row(b, j, c, WV, seal, w, vn, bv, sv, false);
+            m3_step_row(b, j, c, WV, seal, w, vn, ldv, bv, sv, false);
         else if ((c -= WV) < H)
-            m3_step_row(b, j, c, H, seal, w, dtn, bdt, sdt, true);
+            m3_step_row(b, j, c, H, seal, w, dtn, H, bdt, sdt, true);
         else if ((c -= H) < H)
-            m3_step_row(b, j, c, H, seal, w, sgn, bsg, ssg, true);
+            m3_step_row(b, j, c, H, seal, w, sgn, H, bsg, ssg, true);
         else
-            m3_step_row(b, j, c - H, H, seal, w, adn, bad, sad, false);
+            m3_step_row(b, j, c - H, H, seal, w, adn, H, bad, sad, false);
     }
 }
 
