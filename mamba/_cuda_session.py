@@ -364,8 +364,7 @@ class M3Session(_SsdSession):
     it is never refused."""
     SCALARS = ("buffered_tokens", "pending")
     KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k", "mb_m3_prep_k",
-               "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k",
-               "mb_m3_last_k")
+               "mb_m3_step_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k", "mb_m3_last_k")
 
     @staticmethod
     def advance(count, n):
@@ -406,10 +405,8 @@ class M3Session(_SsdSession):
             L(cs, "mb_m3_prep_k", be._rows_grid(H + NA, B), THREADS,
               B, off, new, zero, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias,
               dtn, sgn, adn, qgn, TA)
-            L(cs, "mb_m3_angles_k", (be._grid(B * H * NA),), THREADS,
-              B, H, off, new, zero, TA, dtn, theta, qn, 0)
-            L(cs, "mb_m3_rotate_k", be._rows_grid(H * NA, B), THREADS,
-              B, H, off, new, zero, Bn, Cn, B_bias, C_bias, qn, kn)
+            L(cs, "mb_m3_step_rotate_k", (be._grid(B * H * NA),), THREADS,
+              B, H, off, new, zero, Bn, Cn, B_bias, C_bias, TA, dtn, theta, qn, kn)
             if pending:
                 L(cs, "mb_m3_pending_k", (be._grid(B * H * HP * NS),), THREADS,
                   B, H, new, dtn, sgn, pk, pv, h)

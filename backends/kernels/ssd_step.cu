@@ -279,6 +279,20 @@ MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int
     }
 }
 
+/* Mamba-3: the new token's angle and rotation per (row, head, angle) in one kernel
+ * (ssd3.cu m3_rotate: mb_m3_angles_k's recurrence, then mb_m3_rotate_k's
+ * rotation at that angle, the same operations); a refused step's plan has no token
+ * (off), so theta stays. */
+MB_KERNEL void mb_m3_step_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
+                                   const int64_t *t0, const float *Bn, const float *Cn,
+                                   const float *B_bias, const float *C_bias, const float *TA,
+                                   const float *DT, float *theta, float *Q, float *K)
+{
+    MB_GRID_WAIT();
+    MB_GRID_LOOP(i, B * H * M3A)
+        m3_rotate(i, H, off, eoff, t0, Bn, Cn, B_bias, C_bias, TA, DT, theta, Q, K, NULL, NULL);
+}
+
 /* One array's part of m3_step_rows: element c of row j of batch row b. Without a
  * seal, the new row (nw, B rows of W, ldn apart) into buffer row w; at a seal, buffer row j
  * first into the seal copy (B, 65, W) when there is one, then the new row into
