@@ -183,7 +183,9 @@ class _Block:
         is used or changed. Returns a dict: 'x' and one gradient per weight, under
         the weight names and with the weights' shapes. In identical mode every
         gradient is a pure function of (weights, x, grad_output), equal on every
-        backend; docs/numerics.md gives each reduction's order.
+        backend; docs/numerics.md gives each reduction's order. In fast mode a GPU
+        with tensor cores takes the projections in TF32: every gradient within fast
+        mode's accuracy bound, the same bits on every run of that GPU, not the CPU's.
         """
         what = type(self).__name__ + ".backward"
         x = chk.tokens(x, what, self.d_model, False)
