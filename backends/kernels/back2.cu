@@ -388,8 +388,8 @@ mb_m2b_col_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
  * ascending of dG_h[i][j] = dM Lm, from +0, j <= i. Per head, thread j takes Xd_j
  * into registers, walks seg down column j to the tile and on through it, and for each
  * row forms dM's chain and adds dM Lm to the row's sum (in registers). Two blocks a
- * multiprocessor (44 bytes of spills) hide each other's barriers: 2.82 -> 2.47 ms at
- * W2 on the H200; the kernels above lose time that way. */
+ * multiprocessor (44 bytes of spills) hide each other's barriers, which measured
+ * faster here and slower for the kernels above (docs/performance.md). */
 MB_KERNEL void MB_BOUNDS_MIN(BQ, 2)
 mb_m2b_dgs_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *dt,
              const float *dA, const float *dY, float *dGs)
