@@ -342,7 +342,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._readbacks, self._lock = [], threading.Lock()
         self._chain = None  # the capturing stream whose last node is a kernel
         self._dependents = False
-        self._guard_args = None  # step_guard
+        self._guard = threading.local()  # step_guard: per thread, as each capture is
 
     # ------------------------------------------------------------ driver plumbing
     def _ck(self, res, what):
@@ -635,8 +635,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi)
         if conv:
             c0, C, window, w, bias, u, ldu, cguard = conv
-            self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k", (self._grid(M * C),),
-                         THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w, bias, u, ldu, cguard)
+            self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k",
+                         (self._grid(M * C),), THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w,
+                         bias, u, ldu, cguard)
 
     def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi):
         """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none)."""
@@ -679,18 +680,19 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          out, n)
 
     def step_guard(self, args):
-        """Have the next norm launched (the first of a session step's capture) check
-        the step's input first: args are mb_step_guard_k's (n, x, guard word, host
-        words). A norm of one block whose threads take the input in one round of
-        loads runs the check itself (one kernel fewer a step); else the guard
-        kernel runs before it. None clears a check no norm took."""
-        self._guard_args = args
+        """Have the next norm this thread launches (the first of a session step's
+        capture) check the step's input first: args are mb_step_guard_k's (n, x,
+        guard word, host words). A norm of one block whose threads take the input in
+        one round of loads runs the check itself (one kernel fewer a step); else the
+        guard kernel runs before it. Returns the check no norm took (None clears)."""
+        left, self._guard.args = getattr(self._guard, "args", None), args
+        return left
 
     def _step_check(self, s, blocks, threads):
         """The check arguments the norm kernels take (zeros: none) for a norm of
         `blocks` blocks of `threads` (step_guard); launches the guard kernel instead
         where the norm cannot take it."""
-        args, self._guard_args = self._guard_args, None
+        args = self.step_guard(None)
         if args is None:
             return (0, 0, 0, 0)
         if blocks == 1 and args[0] <= threads * GUARD_LOADS:

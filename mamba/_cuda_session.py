@@ -93,7 +93,8 @@ class _GraphSession:
             try:
                 be.step_guard((self.x.size, self.x, self.guard.ptr, self.dev_seen))
                 body(cs)
-                assert be._guard_args is None, "a session step must open with its norm"
+                if be.step_guard(None) is not None:
+                    raise AssertionError("a session step must open with its block norm")
             except BaseException:
                 be.step_guard(None)
                 cu.cuStreamEndCapture(cs)  # the body's error is the one to report

@@ -462,6 +462,20 @@ def test_fast_mode_is_close(be, name):
         assert err <= FAST_RTOL, f"{name} fast mode: relative L2 error {err:.2e}"
 
 
+def test_session_guard_stays_on_its_thread(be):
+    """A capture's pending step check (step_guard) belongs to the capturing thread: a
+    norm another thread launches meanwhile neither takes it nor runs the check."""
+    import threading
+    args = (4, 0, 0, 0)
+    assert be.step_guard(args) is None
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(be._step_check(0, 1, 128)))
+    t.start()
+    t.join()
+    assert seen == [(0, 0, 0, 0)]
+    assert be.step_guard(None) == args
+
+
 @pytest.mark.parametrize("mode,B", [("identical", 65), ("fast", 9)])
 def test_step_conv_after_a_wider_projection(be, mode, B):
     """A one-token call's conv step runs in in_proj's GEMV epilogue only on the GEMV

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import mamba
+from mamba import _backends
 from mamba._oracle64 import oracle1, oracle2, oracle3
 from blocks import BLOCKS, gpu_backends
 
@@ -116,11 +117,7 @@ def test_fast_backward_within_bound(name, backend):
         assert e <= BOUND, f"{name} {backend} gradient {k}: relative L2 error {e:.2e}"
     again = blk.backward(x, dy)
     assert all(bytes(memoryview(again[k])) == bytes(memoryview(got[k])) for k in got)
-    if backend != "cpu" and mamba_backend(backend).tensor_cores:
+    if backend != "cpu" and _backends._get(backend)[0].tensor_cores:
         same = BLOCKS[name]["cls"](w, backend=backend).backward(x, dy)
         assert any(bytes(memoryview(same[k])) != bytes(memoryview(got[k])) for k in got)
 
-
-def mamba_backend(name):
-    from mamba import _backends
-    return _backends._get(name)[0]

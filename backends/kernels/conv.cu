@@ -122,7 +122,8 @@ MB_DEV void conv_step(int64_t B, int64_t C, const float *in, int64_t ldi, float 
 template <class F>
 MB_DEV void conv_epilogue(int64_t m, int64_t n, float v, bool keep, MB_CONV_EPI_ARGS)
 {
-    if (window && n >= c0 && n < c0 + C) conv_step_one<F>(m, n - c0, v, C, window, cw, cb, u, ldu, keep);
+    if (window && n >= c0 && n < c0 + C)
+        conv_step_one<F>(m, n - c0, v, C, window, cw, cb, u, ldu, keep);
 }
 
 MB_KERNEL void mb_conv_step_k(int64_t B, int64_t C, const float *in, int64_t ldi, float *window,

@@ -294,10 +294,11 @@ MB_KERNEL void mb_m3_step_rotate_k(int64_t B, int64_t H, const int64_t *off, con
 }
 
 /* One array's part of m3_step_rows: element c of row j of batch row b. Without a
- * seal, the new row (nw, B rows of W, ldn apart) into buffer row w; at a seal, buffer row j
- * first into the seal copy (B, 65, W) when there is one, then the new row into
- * buffer row 0 and zeros after it; next: the new row is also the seal copy's row 64
- * (the row after the sealed chunk, whose dt and sigmoid complete its trapezoid). */
+ * seal, the new row (nw, B rows of W, ldn apart) into buffer row w; at a seal,
+ * buffer row j first into the seal copy (B, 65, W) when there is one, then the new
+ * row into buffer row 0 and zeros after it; next: the new row is also the seal
+ * copy's row 64 (the row after the sealed chunk, whose dt and sigmoid complete its
+ * trapezoid). */
 MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, int64_t w,
                         const float *nw, int64_t ldn, float *buf, float *save, bool next)
 {
@@ -316,15 +317,14 @@ MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, i
 
 /* Mamba-3: the new token's rows (q, k, dt, sig, A*dt, computed into rows of their
  * own by the one-token kernels, and v, read from in_proj's rows ldv apart) into the
- * working chunk's buffers, as the
- * plan in scal says; at a seal the old chunk is first copied for its fold and the
- * buffers keep only the new row (as _Plan's store does). Nothing when the step was
- * refused. */
+ * working chunk's buffers, as the plan in scal says; at a seal the old chunk is
+ * first copied for its fold and the buffers keep only the new row (as _Plan's store
+ * does). Nothing when the step was refused. */
 MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, const float *qn,
-                                 const float *kn, const float *vn, int64_t ldv, const float *dtn,
-                                 const float *sgn, const float *adn, float *bq, float *bk,
-                                 float *bv, float *bdt, float *bsg, float *bad, float *sk,
-                                 float *sv, float *sdt, float *ssg, float *sad)
+                                 const float *kn, const float *vn, int64_t ldv,
+                                 const float *dtn, const float *sgn, const float *adn, float *bq,
+                                 float *bk, float *bv, float *bdt, float *bsg, float *bad,
+                                 float *sk, float *sv, float *sdt, float *ssg, float *sad)
 {
     MB_GRID_WAIT();
     if (scal[2]) return;
