@@ -21,10 +21,11 @@ import operator
 
 from . import _core, _cuda_ssd, _intake as chk
 from ._cuda import NONE, THREADS, _M1Buffers, _Mem
-from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NA, NS
+from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
 STEP_CB, STEP_CBT = 32, 128  # ssd_step.cu: rows per block of mb_m2_step_cb_k, threads
+STEP_FRONT_THREADS = 256  # ssd_step.cu STEP_F3
 # A step of at most this many rows launches its kernels as programmatic dependents
 # (_cuda.WAITS): its grids are one wave, and each kernel's start hides behind the
 # one before (H200, batch 1: 3-4 us a step). With 32 rows the grids span waves and
@@ -289,8 +290,7 @@ class M2Session(_SsdSession):
     of its output row, from one step to the next and computes only what the new row
     adds; they are rebuilt at the first step after the session opens and after each
     sync_state or load_state (ctl[1])."""
-    KERNELS = ("mb_m2_step_in_k", "mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k",
-               "mb_m2_fold_k")
+    KERNELS = ("mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k")
 
     @staticmethod
     def advance(count, n):
@@ -313,7 +313,6 @@ class M2Session(_SsdSession):
         unew, yg = a(B * CD), a(B * di)
         self.dt, dA, self.cs = (a(B * H * M2_Q) for _ in range(3))
         seg = a(2 * B * H * M2_Q)  # the rows of even and odd steps
-        S, Ec = a(B * H * HP * NS), a(B * H)
         G, Yo = a(B * M2_Q), a(B * H * HP)  # the step's dots with C_t
         scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
         g, L = self.guard.ptr, be._launch
@@ -322,16 +321,12 @@ class M2Session(_SsdSession):
         def body(cs):
             xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
                                    fast, (di, CD, cw, conv_w, conv_b, unew, CD, g))
-            L(cs, "mb_m2_step_in_k", (be._grid(B * (CD + H)),), THREADS,
-              B, H, CD, unew, zx + 4 * (di + CD), NP, dt_bias, A_log,
-              _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,
-              self.dt, dA, self.cs, scal, desc, self.rep)
-            L(cs, "mb_m2_fold_k", (B, H), FOLD_THREADS,
-              desc, H, di, CD, bx, self.dt, self.cs, 0, S, Ec)
             L(cs, "mb_m2_step_cb_k", ((M2_Q + H * HP) // STEP_CB, B), STEP_CBT,
-              desc, H, di, CD, bx, h, G, Yo)
+              H, di, CD, unew, zx + 4 * (di + CD), NP, dt_bias, A_log,
+              _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,
+              self.dt, dA, self.cs, scal, desc, self.rep, h, G, Yo)
             L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q,
-              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, Ec, S, zx, NP, G, Yo, h,
+              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, zx, NP, G, Yo, h,
               seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
@@ -355,17 +350,16 @@ class M2Session(_SsdSession):
 
 
 class M3Session(_SsdSession):
-    """Mamba-3 (_cuda_ssd._m3_forward at L = 1). The one-token kernels compute the
-    new token into rows of their own (v is read from in_proj's rows),
-    mb_m3_step_rows_k places it in the working chunk, a sealing step folds the old
-    chunk from copies with the new row after it, and mb_m3_step_y_k gives the output
-    row, carrying the seg columns and the cumsum between steps as Mamba-2's does
-    (ssd_step.cu). A step that consumes Input_States (the state's pending flag) runs a
-    second graph with the pending kernel; its x is checked before the launch, so that
-    it is never refused."""
+    """Mamba-3 (_cuda_ssd._m3_forward at L = 1) in two kernels after in_proj
+    (ssd_step.cu): mb_m3_step_front_k plans the step and computes the new token's
+    rows (B and C norms, prep, angle and rotation), mb_m3_step_k folds a sealed chunk
+    into h, gives the output row (carrying the seg columns and the cumsum between
+    steps as Mamba-2's does) and places the new row in the working chunk. A step that
+    consumes Input_States (the state's pending flag) runs a second graph whose step
+    kernel adds them first; its x is checked before the launch, so that it is never
+    refused."""
     SCALARS = ("buffered_tokens", "pending")
-    KERNELS = ("mb_m3_step_plan_k", "mb_m3_step_rows_k", "mb_m3_step_y_k", "mb_m3_prep_k",
-               "mb_m3_step_rotate_k", "mb_m3_pending_k", "mb_m3_fold_k", "mb_m3_last_k")
+    KERNELS = ("mb_m3_step_front_k", "mb_m3_step_k", "mb_m3_fold_k", "mb_m3_last_k")
 
     @staticmethod
     def advance(count, n):
@@ -384,43 +378,22 @@ class M3Session(_SsdSession):
         I = self.scratch()
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
-        # the new token's rows, the seal's copies, what the step carries
+        # the new token's rows
         qn, kn = a(B * H * NS), a(B * H * NS)
-        dtn, sgn, adn, qgn, TA = a(B * H), a(B * H), a(B * H), a(B * H), a(B * NA)
-        E1 = B * (M3_Q + 1)
-        sk, sv, sdt, ssg, sad = a(E1 * H * NS), a(E1 * di), a(E1 * H), a(E1 * H), a(E1 * H)
-        S, Ec, yg, seg = a(B * H * HP * NS), a(B * H), a(B * di), a(B * H * (M3_Q + 1))
-        scal, off = a(8), a(2 * (B + 1))
-        fdesc, ydesc, self.rep, self.last_row = a(12 * B), a(12 * B), a(12 * B), a(2 * B)
-        zero = a(2 * B)
-        be._fill32(be.stream().cu, zero, 0, 2 * B)
-        new = I["off"]  # the new token's row b is row b of the rows of its own
+        dtn, sgn, adn, qgn = a(B * H), a(B * H), a(B * H), a(B * H)
+        yg, seg, scal = a(B * di), a(B * H * (M3_Q + 1)), a(4)
+        self.rep, self.last_row = a(12 * B), a(2 * B)
         g, L = self.guard.ptr, be._launch
 
         def body(cs, sc, pending):
             xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
                                    fast)
-            Bn, Cn = be._m3_bc_norms(cs, sc, B, 1, I, zx, di, NP, Bn_w, Cn_w, fast)
-            L(cs, "mb_m3_step_plan_k", (1,), THREADS, B, g, self.ctl, scal, off,
-              fdesc, ydesc, self.rep, self.last_row)
-            L(cs, "mb_m3_prep_k", be._rows_grid(H + NA, B), THREADS,
-              B, off, new, zero, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias,
-              dtn, sgn, adn, qgn, TA)
-            L(cs, "mb_m3_step_rotate_k", (be._grid(B * H * NA),), THREADS,
-              B, H, off, new, zero, Bn, Cn, B_bias, C_bias, TA, dtn, theta, qn, kn)
-            if pending:
-                L(cs, "mb_m3_pending_k", (be._grid(B * H * HP * NS),), THREADS,
-                  B, H, new, dtn, sgn, pk, pv, h)
-                for p, n in ((pk, B * H * NS), (pv, B * H * HP)):
-                    be._fill32(cs, p, 0, n)
-            L(cs, "mb_m3_step_rows_k", (be._grid(B * H * (2 * NS + HP + 3)),),  # a seal loops
-              THREADS, B, H, scal, qn, kn, zx + 4 * di, NP, dtn, sgn, adn, bq, bk, bv, bdt, bsg,
-              bad,
-              sk, sv, sdt, ssg, sad)
-            L(cs, "mb_m3_fold_k", (B, H), FOLD_THREADS,
-              fdesc, H, sk, sv, sdt, ssg, sad, 0, S, Ec)
-            L(cs, "mb_m3_step_y_k", (H, B), M3_Q + HP, ydesc, scal, H, di, NP, bq, bk, bv, bdt,
-              bsg, bad, qgn, D, zx, Ec, S, h, seg, yg)
+            L(cs, "mb_m3_step_front_k", (B,), STEP_FRONT_THREADS, H, di, NP, zx, Bn_w, Cn_w,
+              dt_bias, B_bias, C_bias, int(fast), g, self.ctl, scal, self.rep, self.last_row,
+              theta, dtn, sgn, adn, qgn, qn, kn)
+            L(cs, "mb_m3_step_k", (H, B), M3_Q + HP, scal, self.ctl, H, di, NP, zx, qn, kn, dtn,
+              sgn, adn, qgn, D, *((pk, pv) if pending else (0, 0)), bq, bk, bv, bdt, bsg, bad,
+              h, seg, yg)
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
                      g)
         self._body, self.NP = body, NP

@@ -297,32 +297,45 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
  * (one fmaf each, from +0): both factors of SSD_FJ rows are staged in shared memory
- * at a time (16-byte aligned), each formed once. Thread t of SSD_FOLD_THREADS owns m =
- * 4 (t / 8) + (0..3) and p = 4 (t % 8) + (0..3), + 32 + (0..3); writes out(e, S) for
- * e = p * SSD_NS + m. The caller's block shares sA, sB. */
-template <class FA, class FB, class Out>
+ * at a time (16-byte aligned), each formed once. Virtual thread u of
+ * SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8) + (0..3), + 32 +
+ * (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a thread. Writes
+ * out(e, S) for e = p * SSD_NS + m. The caller's block shares sA, sB. */
+template <int T = SSD_FOLD_THREADS, class FA, class FB, class Out>
 MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
-    const int m0 = 4 * (threadIdx.x / 8), p0 = 4 * (threadIdx.x % 8);
-    float acc[4][8];
+    constexpr int V = SSD_FOLD_THREADS / T;
+    float acc[V][4][8];
 #pragma unroll
-    for (int r = 0; r < 4; r++)
+    for (int v = 0; v < V; v++)
 #pragma unroll
-        for (int q = 0; q < 8; q++) acc[r][q] = 0.0f;
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int q = 0; q < 8; q++) acc[v][r][q] = 0.0f;
     for (int64_t j0 = 0; j0 < n; j0 += SSD_FJ) {
         const int nj = n - j0 < SSD_FJ ? (int)(n - j0) : SSD_FJ;
         __syncthreads(); /* the previous rows are consumed */
-        for (int e = threadIdx.x; e < nj * SSD_NS; e += SSD_FOLD_THREADS)
+        for (int e = threadIdx.x; e < nj * SSD_NS; e += T)
             sA[e / SSD_NS][e % SSD_NS] = a(j0 + e / SSD_NS, e % SSD_NS);
-        for (int e = threadIdx.x; e < nj * SSD_HP; e += SSD_FOLD_THREADS)
+        for (int e = threadIdx.x; e < nj * SSD_HP; e += T)
             sB[e / SSD_HP][e % SSD_HP] = b(j0 + e / SSD_HP, e % SSD_HP);
         __syncthreads();
-        ssd_mma<4, 4, 8, 32>(acc, &sA[0][m0], SSD_NS, &sB[0][p0], SSD_HP, 0, nj);
+#pragma unroll
+        for (int v = 0; v < V; v++) {
+            const int u = threadIdx.x + v * T;
+            ssd_mma<4, 4, 8, 32>(acc[v], &sA[0][4 * (u / 8)], SSD_NS, &sB[0][4 * (u % 8)], SSD_HP,
+                                 0, nj);
+        }
     }
 #pragma unroll
-    for (int r = 0; r < 4; r++)
+    for (int v = 0; v < V; v++) {
+        const int u = threadIdx.x + v * T, m0 = 4 * (u / 8), p0 = 4 * (u % 8);
 #pragma unroll
-        for (int q = 0; q < 8; q++) out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[r][q]);
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[v][r][q]);
+    }
 }
 
 #endif

@@ -13,8 +13,8 @@
  *                   with hin, the fold itself (the h_last report).
  *   mb_m3_y_k       the gated output of a chunk and head per block.
  *   mb_m3_last_k    the k_last and v_last reports.
- * The backward (back3.cu) includes this file for m3_heavy_tail, m3_rotate, m3_scale and
- * the sizes M3Q, M3A. */
+ * The backward (back3.cu) and the decode step (ssd_step.cu) include this file for its
+ * device functions and the sizes M3Q, M3A. */
 #ifndef MB_SSD3_CU
 #define MB_SSD3_CU
 #include "ssd.cu"
@@ -28,10 +28,46 @@ MB_DEV float m3_heavy_tail(float x)
     return -(x >= 0.0f ? 1.0f + x : 1.0f / (1.0f - x));
 }
 
-/* Grid (x over the row's tokens * (H + M3A), y over rows). zx rows are in_proj's
- * (z | x | B | C | dd_dt | dd_A | trap | angle), or with di = 0 the rows from B on;
- * Bn, Cn the normed B and C. Bn, Cn, B_bias and C_bias are read a float4 at a time
- * (rows of 128 floats from 16-byte aligned bases). */
+/* One new token's prep from its in_proj row r (z | x | B | C | dd_dt | dd_A | trap |
+ * angle, or with di = 0 the columns from B on): j < H, head j's dt, A * dt,
+ * sigmoid(trap) and qk_gamma (c, k: the token's normed C and B, 16-byte aligned) at
+ * e + j of DT, ADT, SIG and QKG; j >= H, angle j - H's tanh(angle) * PI at ta[j - H]. */
+MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const float *dt_bias,
+                        const float *c, const float *k, const float *B_bias, const float *C_bias,
+                        int64_t e, float *DT, float *SIG, float *ADT, float *QKG, float *ta)
+{
+    const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H, oANG = oTR + H;
+    if (j >= H) {
+        ta[j - H] = mb_tanh(r[oANG + j - H]) * MB_PI;
+        return;
+    }
+    const int64_t h = j;
+    e += h;
+    const float dA = r[oA + h];
+    float A = m3_heavy_tail(dA);
+    A = A > -1e-4f ? -1e-4f : A;
+    const float dt = mb_softplus(r[oDT + h] + dt_bias[h]);
+    const float sig = mb_sigmoid(r[oTR + h]);
+    DT[e] = dt;
+    ADT[e] = A * dt;
+    SIG[e] = sig;
+    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+    /* four terms to a float4 of each operand: a warp's threads read the biases of as
+     * many heads, each load as many cache lines */
+    float acc = 0.0f;
+    for (int m = 0; m < SSD_NS; m += 4) {
+        const float4 c4 = *(const float4 *)(c + m), cb4 = *(const float4 *)(cb + m);
+        const float4 k4 = *(const float4 *)(k + m), kb4 = *(const float4 *)(kb + m);
+        acc = fmaf(c4.x + cb4.x, k4.x + kb4.x, acc);
+        acc = fmaf(c4.y + cb4.y, k4.y + kb4.y, acc);
+        acc = fmaf(c4.z + cb4.z, k4.z + kb4.z, acc);
+        acc = fmaf(c4.w + cb4.w, k4.w + kb4.w, acc);
+    }
+    QKG[e] = acc * (dt * sig);
+}
+
+/* Grid (x over the row's tokens * (H + M3A), y over rows): m3_prep_one of every new
+ * token, its row of zx dip floats; Bn, Cn the normed B and C. */
 MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                             int64_t H, int64_t di, int64_t dip, const float *zx,
                             const float *dt_bias, const float *Bn, const float *Cn,
@@ -39,40 +75,14 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
                             float *ADT, float *QKG, float *TA)
 {
     MB_GRID_WAIT();
-    const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H, oANG = oTR + H;
     const int64_t W = H + M3A;
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], e0 = eoff[b] + t0[b];
         MB_GRID_LOOP(i, (off[b + 1] - o) * W) {
-            const int64_t t = i / W, j = i % W, tok = o + t;
-            const float *r = zx + tok * dip;
-            if (j >= H) {
-                TA[tok * M3A + j - H] = mb_tanh(r[oANG + j - H]) * MB_PI;
-                continue;
-            }
-            const int64_t h = j, e = (e0 + t) * H + h;
-            const float dA = r[oA + h];
-            float A = m3_heavy_tail(dA);
-            A = A > -1e-4f ? -1e-4f : A;
-            const float dt = mb_softplus(r[oDT + h] + dt_bias[h]);
-            const float sig = mb_sigmoid(r[oTR + h]);
-            DT[e] = dt;
-            ADT[e] = A * dt;
-            SIG[e] = sig;
-            const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
-            const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
-            /* four terms to a float4 of each operand: a warp's threads read the
-             * biases of as many heads, each load as many cache lines */
-            float acc = 0.0f;
-            for (int m = 0; m < SSD_NS; m += 4) {
-                const float4 c4 = *(const float4 *)(c + m), cb4 = *(const float4 *)(cb + m);
-                const float4 k4 = *(const float4 *)(k + m), kb4 = *(const float4 *)(kb + m);
-                acc = fmaf(c4.x + cb4.x, k4.x + kb4.x, acc);
-                acc = fmaf(c4.y + cb4.y, k4.y + kb4.y, acc);
-                acc = fmaf(c4.z + cb4.z, k4.z + kb4.z, acc);
-                acc = fmaf(c4.w + cb4.w, k4.w + kb4.w, acc);
-            }
-            QKG[e] = acc * (dt * sig);
+            const int64_t t = i / W, tok = o + t;
+            m3_prep_one(zx + tok * dip, i % W, H, di, dt_bias, Cn + tok * SSD_NS,
+                        Bn + tok * SSD_NS, B_bias, C_bias, (e0 + t) * H, DT, SIG, ADT, QKG,
+                        TA + tok * M3A);
         }
     }
 }
@@ -107,31 +117,12 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
     }
 }
 
-/* Row b, head h, angle r of i: the angle recurrence token by token, each token
- * rotated at once (the backward's form, keeping cos and sin in rot). theta (B, H,
- * M3A) ends after the row's last token; theta_last (optional) receives the same. */
-MB_DEV void m3_rotate(int64_t i, int64_t H, const int64_t *off, const int64_t *eoff,
-                      const int64_t *t0, const float *Bn, const float *Cn, const float *B_bias,
-                      const float *C_bias, const float *TA, const float *DT, float *theta,
-                      float *Q, float *K, float *theta_last, float *rot)
-{
-    const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
-    float th = theta[i];
-    const int64_t e0 = eoff[b] + t0[b];
-    for (int64_t t = 0; t < off[b + 1] - off[b]; t++) {
-        const int64_t tok = off[b] + t, e = (e0 + t) * H + h;
-        th = m3_angle(th, TA[tok * M3A + r], DT[e]);
-        m3_rotate_token(th, h, tok, e, r, Bn, Cn, B_bias, C_bias, Q, K, rot);
-    }
-    theta[i] = th;
-    if (theta_last) theta_last[i] = th;
-}
-
 #define M3_AHEAD 8 /* tokens whose inputs are loaded ahead of the angle chain */
 
 /* One thread per (row, head, angle): the angle recurrence alone (the only serial
  * part of the rotation), each token's angle parked in q's slot 2r, which
- * mb_m3_rotate_k then reads and overwrites. theta and theta_last as m3_rotate. */
+ * mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the row's
+ * last token; theta_last (optional) receives the same. */
 MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *TA, const float *DT, float *theta,
                               float *Q, float *theta_last)
@@ -198,9 +189,11 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
 
 /* scale_j = dt_j * sig_j + beta, beta = dt_{j+1} * (1 - sig_{j+1}) from the next ext
  * row, or +0 for the last row of a chunk that does not fold (the report). */
+MB_DEV float m3_beta(float dt, float sig) { return dt * (1.0f - sig); }
+
 MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, bool next)
 {
-    const float beta = next ? DT[e + H] * (1.0f - SIG[e + H]) : 0.0f;
+    const float beta = next ? m3_beta(DT[e + H], SIG[e + H]) : 0.0f;
     return DT[e] * SIG[e] + beta;
 }
 

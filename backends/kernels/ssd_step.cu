@@ -53,51 +53,63 @@ MB_DEV void step_desc(int64_t *d, int64_t b, int64_t e0, int64_t n, int64_t r0, 
     d[5] = fold;
 }
 
-/* Mamba-2, the step's first kernel after the conv. t = ctl[0] rows are buffered.
- * Block 0 writes the tables: scal = (count after the step, fold, refused), desc =
- * one chunk per row (rows [0, n) at ext row b * 256, output row t, folding when it
- * fills the chunk), rep = the h_last report's chunk (the open rows after the step).
- * Every block: the new row of u (the conv's output, B x CD) and of the raw dt (ldr
- * apart) into buffer row t of bx and bd, and dt, dA and cs of rows [from, n) of
- * each (row, head) into the session's cache (B * H, 256) with mb_m2_prep_k's
- * expressions and chain; from is t, or 0 when ctl[1] asks for the whole chunk (the
- * buffers were loaded since the cache was made). */
-MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u, const float *dtr,
-                               int64_t ldr, const float *dt_bias, const float *A_log,
-                               int64_t lo_bits, int64_t hi_bits, const unsigned long long *guard,
-                               const int64_t *ctl, float *bx, float *bd, float *dt, float *dA,
-                               float *cs, int64_t *scal, int64_t *desc, int64_t *rep)
+/* Mamba-2, the step's first kernel after in_proj and the conv. t = ctl[0] rows are
+ * buffered. Block 0 writes the tables: scal = (count after the step, fold, refused),
+ * desc = one chunk per row (rows [0, n) at ext row b * 256, output row t, folding
+ * when it fills the chunk), rep = the h_last report's chunk (the open rows after the
+ * step). The grid shares the new row's writes: u (the conv's output, B x CD) and the
+ * raw dt (ldr apart) into buffer row t of bx and bd, and dt, dA and cs of rows
+ * [from, n) of each (row, head) into the session's cache (B * H, 256) with
+ * mb_m2_prep_k's expressions and chain; from is t, or 0 when ctl[1] asks for the
+ * whole chunk (the buffers were loaded since the cache was made). Then the dots
+ * with C_t, each a row's serial chain: C . B_j of the open chunk's rows j <= t into
+ * G (B, 256; the same for every head) and C . h_p of every head's state column p
+ * into Yo (B, H * 64; Y_off's dots). A block takes STEP_CB rows (grid x: the 256 /
+ * STEP_CB blocks of B's rows, then the H * 64 / STEP_CB of h's; y: batch rows),
+ * copies them whole with coalesced reads (the new row's from u), and thread r walks
+ * row r. */
+MB_KERNEL void MB_BOUNDS(STEP_CBT)
+mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *dtr, int64_t ldr,
+                const float *dt_bias, const float *A_log, int64_t lo_bits, int64_t hi_bits,
+                const unsigned long long *guard, const int64_t *ctl, float *bx, float *bd,
+                float *dt, float *dA, float *cs, int64_t *scal, int64_t *desc, int64_t *rep,
+                const float *h, float *G, float *Yo)
 {
     MB_GRID_WAIT();
-    const int64_t t = ctl[0], from = ctl[1] ? 0 : t;
+    __shared__ __align__(16) float rows[STEP_CB][SSD_NS + 4];
+    __shared__ __align__(16) float Ct[SSD_NS];
+    const int64_t B = gridDim.y, t = ctl[0], from = ctl[1] ? 0 : t;
     const bool refused = mb_refused(guard);
     const int64_t n = refused ? t : t + 1, fold = n == STEP_Q2;
-    if (blockIdx.x == 0) {
-        for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
+    const int tid = threadIdx.x;
+    const int64_t blk = (int64_t)blockIdx.y * gridDim.x + blockIdx.x;
+    if (blk == 0) {
+        for (int64_t b = tid; b < B; b += blockDim.x) {
             step_desc(desc + b * MB_DESC, b, b * STEP_Q2, n, t, fold);
             step_desc(rep + b * MB_DESC, b, b * STEP_Q2, fold ? 0 : n, 0, 0);
         }
-        if (threadIdx.x == 0) {
+        if (tid == 0) {
             scal[0] = n % STEP_Q2;
             scal[1] = fold;
             scal[2] = refused;
         }
     }
     const float lo = __int_as_float((int)lo_bits), hi = __int_as_float((int)hi_bits);
-    MB_GRID_LOOP(i, B * (CD + H)) {
+    const int64_t stride = (int64_t)gridDim.x * gridDim.y * blockDim.x;
+    for (int64_t i = blk * blockDim.x + tid; i < B * (CD + H); i += stride) {
         if (i < B * CD) {
             const int64_t b = i / CD, c = i % CD;
             if (!refused) bx[(b * STEP_Q2 + t) * CD + c] = u[i];
             continue;
         }
-        const int64_t bh = i - B * CD, b = bh / H, h = bh % H;
-        const float raw = dtr[b * ldr + h];
-        if (!refused) bd[(b * STEP_Q2 + t) * H + h] = raw;
-        const float A = -mb_exp(A_log[h]), bias = dt_bias[h];
+        const int64_t bh = i - B * CD, b = bh / H, hh = bh % H;
+        const float raw = dtr[b * ldr + hh];
+        if (!refused) bd[(b * STEP_Q2 + t) * H + hh] = raw;
+        const float A = -mb_exp(A_log[hh]), bias = dt_bias[hh];
         float *dtc = dt + bh * STEP_Q2, *dAc = dA + bh * STEP_Q2, *csc = cs + bh * STEP_Q2;
         float acc = from > 0 ? csc[from - 1] : 0.0f;
         for (int64_t j = from; j < n; j++) {
-            const float r = j == t ? raw : bd[(b * STEP_Q2 + j) * H + h];
+            const float r = j == t ? raw : bd[(b * STEP_Q2 + j) * H + hh];
             const float v = mb_clamp(mb_softplus(r + bias), lo, hi);
             const float a = v * A;
             acc = acc + a;
@@ -106,36 +118,19 @@ MB_KERNEL void mb_m2_step_in_k(int64_t B, int64_t H, int64_t CD, const float *u,
             csc[j] = acc;
         }
     }
-}
-
-/* Mamba-2: the step's dots with C_t, each a row's serial chain: C . B_j of the
- * open chunk's rows j <= t into G (B, 256; the same for every head) and C . h_p of
- * every head's state column p into Yo (B, H * 64; Y_off's dots). A block takes
- * STEP_CB rows (grid x: the 256 / STEP_CB blocks of B's rows, then the H * 64 /
- * STEP_CB of h's; y: batch rows), copies them whole with coalesced reads, and
- * thread r walks row r. */
-MB_KERNEL void MB_BOUNDS(STEP_CBT)
-mb_m2_step_cb_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
-                const float *h, float *G, float *Yo)
-{
-    MB_GRID_WAIT();
-    __shared__ __align__(16) float rows[STEP_CB][SSD_NS + 4];
-    __shared__ __align__(16) float Ct[SSD_NS];
-    const int64_t b = blockIdx.y, *d = desc + b * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], t = d[3];
-    const int64_t gb = STEP_Q2 / STEP_CB, on_b = blockIdx.x < gb;
+    const int64_t b = blockIdx.y, gb = STEP_Q2 / STEP_CB, on_b = blockIdx.x < gb;
     const int64_t r0 = (on_b ? blockIdx.x : blockIdx.x - gb) * STEP_CB;
     if (t >= n || (on_b && r0 > t)) return; /* refused, or rows past t */
-    const int tid = threadIdx.x;
     const int nr = on_b && t + 1 - r0 < STEP_CB ? (int)(t + 1 - r0) : STEP_CB;
-    const float *u = U + e0 * CD;
-    const float *src = on_b ? u + r0 * CD + di : h + (b * H * SSD_HP + r0) * SSD_NS;
+    const float *un = u + b * CD + di; /* the new row's B and C */
+    const float *src = on_b ? bx + (b * STEP_Q2 + r0) * CD + di
+                            : h + (b * H * SSD_HP + r0) * SSD_NS;
     const int64_t ld = on_b ? CD : SSD_NS;
     for (int m = tid; m < SSD_NS / 4; m += STEP_CBT)
-        mb_cp_async16(Ct + 4 * m, u + t * CD + di + SSD_NS + 4 * m, 16);
+        mb_cp_async16(Ct + 4 * m, un + SSD_NS + 4 * m, 16);
     for (int e = tid; e < nr * (SSD_NS / 4); e += STEP_CBT) {
         const int r = e / (SSD_NS / 4), c = e % (SSD_NS / 4) * 4;
-        mb_cp_async16(&rows[r][c], src + r * ld + c, 16);
+        mb_cp_async16(&rows[r][c], (on_b && r0 + r == t ? un : src + r * ld) + c, 16);
     }
     mb_cp_commit();
     mb_cp_wait<0>();
@@ -156,12 +151,12 @@ mb_m2_step_cb_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const fl
  * step t in half t % 2 (the blocks of a head read the row before while one writes
  * theirs): each step adds dA[t] to the columns of the row before (the same chain),
  * or, when ctl[1] asks, walks it again. A chunk that folds then moves the block's
- * columns of h on, h = fma(E, h, S) as mb_ssd_chain_k does. The row leaves gated
+ * columns of h on, h = fma(E, h, S) as mb_m2_fold_k and mb_ssd_chain_k do. The row leaves gated
  * by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
 MB_KERNEL void MB_BOUNDS(STEP_Q2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
-               const float *E, const float *S, const float *zx, int64_t NP, const float *G,
+               const float *zx, int64_t NP, const float *G,
                const float *Yo, float *h, float *seg, float *yb)
 {
     MB_GRID_WAIT();
@@ -211,11 +206,24 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
         yb[b * di + c] = y * mb_silu(z);
     }
     if (!d[5]) return;
+    /* the fold (mb_m2_fold_k's S and E, whole in every block of the head; Xs and Mt
+     * hold its staging and decays) */
     float *hs = h + bh * SSD_HP * SSD_NS;
-    for (int e = tid; e < STEP_PC * SSD_NS; e += STEP_Q2) {
-        const int64_t i = p0 * SSD_NS + e;
-        hs[i] = fmaf(E[bh], hs[i], S[bh * SSD_HP * SSD_NS + i]);
-    }
+    const float *csc = cs + bh * STEP_Q2, *dtc = dt + bh * STEP_Q2;
+    const float last = csc[STEP_Q2 - 1], ex = mb_exp(last);
+    static_assert(STEP_Q2 == SSD_FOLD_THREADS && SSD_FJ * (SSD_NS + SSD_HP) <= STEP_Q2 * STEP_PC,
+                  "the fold runs on the block's threads and staging");
+    float(*fA)[SSD_NS] = (float(*)[SSD_NS]) & Xs[0][0];
+    float(*fB)[SSD_HP] = (float(*)[SSD_HP])(&Xs[0][0] + SSD_FJ * SSD_NS);
+    __syncthreads(); /* Mt and Xs are consumed */
+    Mt[tid] = mb_exp(last - csc[tid]);
+    ssd_fold(STEP_Q2, [&](int64_t j, int m) { return u[j * CD + di + m] * Mt[j]; },
+             [&](int64_t j, int p) { return u[j * CD + hh * SSD_HP + p] * dtc[j]; },
+             [&](int64_t e, float acc) {
+                 const int64_t p = e / SSD_NS;
+                 if (p >= p0 && p < p0 + STEP_PC) hs[e] = fmaf(ex, hs[e], acc);
+             },
+             fA, fB);
 }
 
 /* Mamba-2, the step's last kernel: a chunk that folded leaves zeros in the buffers
@@ -239,180 +247,184 @@ MB_KERNEL void mb_m2_step_close_k(int64_t B, int64_t H, int64_t CD, const int64_
     }
 }
 
-/* Mamba-3, the step's plan (one block), before any kernel that writes state. t =
- * ctl[0] in [0, 64] rows of the working chunk are buffered. The new token goes to
- * row w = t, or, when t = 64, seals the chunk (which folds with the new token's
- * beta) and becomes row 0 of the next. Tables: scal = (seal, w, refused, whole:
- * the carried columns are to be walked again, ctl[1]); off, the new token's packed
- * rows (none when refused); fdesc, the sealed chunk at ext row b * 65 of the seal
- * copies (folding only at a seal); ydesc, the chunk holding the new token (rows
- * [0, w] of the buffers, output row w; none when refused); rep and last, the
- * reports' chunk and row (the working chunk after the step). ctl moves on at the
- * end. */
-MB_KERNEL void mb_m3_step_plan_k(int64_t B, const unsigned long long *guard, int64_t *ctl,
-                                 int64_t *scal, int64_t *off, int64_t *fdesc, int64_t *ydesc,
-                                 int64_t *rep, int64_t *last)
+#define STEP_F3 256 /* threads of mb_m3_step_front_k */
+
+/* Mamba-3, a step's front after in_proj (rows zx, dip apart), block b for row b. The
+ * plan: t = ctl[0] in [0, 64] rows of the working chunk are buffered; the new token
+ * goes to row w = t or, when t = 64, seals the chunk (which folds with the new
+ * token's beta) and becomes row 0 of the next. Block 0 writes scal = (seal, w,
+ * refused, whole: the carried columns are to be walked again, ctl[1]); each block its
+ * row's rep and last, the reports' chunk and row (the working chunk after the step).
+ * Then, unless refused, the new token's B and C RMSNorms (reference/norm.c's chain;
+ * fast: a warp's shuffle sum), m3_prep_one of every head and angle into the new rows
+ * (dtn, sgn, adn, qgn; the angles' tanh in shared memory) and each (head, angle)'s
+ * angle step and rotation (m3_angle, m3_rotate_token) into theta, qn and kn. */
+MB_KERNEL void MB_BOUNDS(STEP_F3)
+mb_m3_step_front_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *Bn_w,
+                   const float *Cn_w, const float *dt_bias, const float *B_bias,
+                   const float *C_bias, int64_t fast, const unsigned long long *guard,
+                   const int64_t *ctl, int64_t *scal, int64_t *rep, int64_t *last, float *theta,
+                   float *dtn, float *sgn, float *adn, float *qgn, float *qn, float *kn)
 {
     MB_GRID_WAIT();
-    const int64_t t = ctl[0], whole = ctl[1];
+    __shared__ __align__(16) float bc[2][SSD_NS]; /* B and C, raw, then normed */
+    __shared__ float rr[2], ta[M3A];
+    const int tid = threadIdx.x, lane = tid % 32, wp = tid / 32;
+    const int64_t b = blockIdx.x, t = ctl[0];
     const bool refused = mb_refused(guard);
-    const int64_t seal = !refused && t == M3Q, w = t == M3Q ? 0 : t;
-    const int64_t after = refused ? t : t % M3Q + 1, nrep = after > 0 ? after : 1;
-    for (int64_t b = threadIdx.x; b <= B; b += blockDim.x) {
-        off[b] = refused ? 0 : b;
-        if (b == B) continue;
-        step_desc(fdesc + b * MB_DESC, b, b * (M3Q + 1), M3Q, M3Q, seal);
-        step_desc(ydesc + b * MB_DESC, b, b * M3Q, refused ? 0 : w + 1, refused ? 0 : w, 0);
+    const int64_t w = t == M3Q ? 0 : t, after = refused ? t : t % M3Q + 1;
+    const int64_t nrep = after > 0 ? after : 1;
+    if (tid == 0) {
         step_desc(rep + b * MB_DESC, b, b * M3Q, nrep, 0, 0);
         last[b] = b * M3Q + nrep - 1;
+        if (b == 0) {
+            scal[0] = !refused && t == M3Q;
+            scal[1] = w;
+            scal[2] = refused;
+            scal[3] = ctl[1];
+        }
     }
-    if (threadIdx.x == 0) {
-        scal[0] = seal;
-        scal[1] = w;
-        scal[2] = refused;
-        scal[3] = whole;
+    if (refused) return;
+    const float *row = zx + b * dip;
+    for (int i = tid; i < 2 * SSD_NS; i += STEP_F3) bc[i / SSD_NS][i % SSD_NS] = row[2 * di + i];
+    __syncthreads();
+    if (wp < 2) {
+        const float *x = bc[wp];
+        if (fast) {
+            float s = 0.0f;
+            for (int m = lane; m < SSD_NS; m += 32) s = fmaf(x[m], x[m], s);
+            for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
+            if (lane == 0) rr[wp] = rsqrtf(s / (float)SSD_NS + MB_EPS);
+        } else if (lane == 0) {
+            float acc = 0.0f;
+            for (int m = 0; m < SSD_NS; m++) acc = fmaf(x[m], x[m], acc);
+            rr[wp] = mb_rsqrt(acc / (float)SSD_NS + MB_EPS);
+        }
     }
-    __syncthreads(); /* every thread has read ctl */
-    if (threadIdx.x == 0) {
-        ctl[0] = after;
-        if (!refused) ctl[1] = 0;
+    __syncthreads();
+    for (int i = tid; i < 2 * SSD_NS; i += STEP_F3) {
+        const int q = i / SSD_NS, m = i % SSD_NS;
+        bc[q][m] = (bc[q][m] * rr[q]) * (q ? Cn_w : Bn_w)[m];
     }
-}
-
-/* Mamba-3: the new token's angle and rotation per (row, head, angle) in one kernel
- * (ssd3.cu m3_rotate: mb_m3_angles_k's recurrence, then mb_m3_rotate_k's
- * rotation at that angle, the same operations); a refused step's plan has no token
- * (off), so theta stays. */
-MB_KERNEL void mb_m3_step_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
-                                   const int64_t *t0, const float *Bn, const float *Cn,
-                                   const float *B_bias, const float *C_bias, const float *TA,
-                                   const float *DT, float *theta, float *Q, float *K)
-{
-    MB_GRID_WAIT();
-    MB_GRID_LOOP(i, B * H * M3A)
-        m3_rotate(i, H, off, eoff, t0, Bn, Cn, B_bias, C_bias, TA, DT, theta, Q, K, NULL, NULL);
-}
-
-/* One array's part of m3_step_rows: element c of row j of batch row b. Without a
- * seal, the new row (nw, B rows of W, ldn apart) into buffer row w; at a seal,
- * buffer row j first into the seal copy (B, 65, W) when there is one, then the new
- * row into buffer row 0 and zeros after it; next: the new row is also the seal
- * copy's row 64 (the row after the sealed chunk, whose dt and sigmoid complete its
- * trapezoid). */
-MB_DEV void m3_step_row(int64_t b, int64_t j, int64_t c, int64_t W, bool seal, int64_t w,
-                        const float *nw, int64_t ldn, float *buf, float *save, bool next)
-{
-    const float v = nw[b * ldn + c];
-    if (!seal) {
-        buf[(b * M3Q + w) * W + c] = v;
-        return;
-    }
-    float *at = buf + (b * M3Q + j) * W + c;
-    if (save) {
-        save[(b * (M3Q + 1) + j) * W + c] = *at;
-        if (next && j == 0) save[(b * (M3Q + 1) + M3Q) * W + c] = v;
-    }
-    *at = j == 0 ? v : 0.0f;
-}
-
-/* Mamba-3: the new token's rows (q, k, dt, sig, A*dt, computed into rows of their
- * own by the one-token kernels, and v, read from in_proj's rows ldv apart) into the
- * working chunk's buffers, as the plan in scal says; at a seal the old chunk is
- * first copied for its fold and the buffers keep only the new row (as _Plan's store
- * does). Nothing when the step was refused. */
-MB_KERNEL void mb_m3_step_rows_k(int64_t B, int64_t H, const int64_t *scal, const float *qn,
-                                 const float *kn, const float *vn, int64_t ldv,
-                                 const float *dtn, const float *sgn, const float *adn, float *bq,
-                                 float *bk, float *bv, float *bdt, float *bsg, float *bad,
-                                 float *sk, float *sv, float *sdt, float *ssg, float *sad)
-{
-    MB_GRID_WAIT();
-    if (scal[2]) return;
-    const bool seal = scal[0] != 0;
-    const int64_t w = scal[1], rows = seal ? M3Q : 1, WQ = H * SSD_NS, WV = H * SSD_HP;
-    const int64_t WT = 2 * WQ + WV + 3 * H;
-    MB_GRID_LOOP(i, B * rows * WT) {
-        const int64_t b = i / (rows * WT), j = (i / WT) % rows;
-        int64_t c = i % WT;
-        if (c < WQ)
-            m3_step_row(b, j, c, WQ, seal, w, qn, WQ, bq, nullptr, false);
-        else if ((c -= WQ) < WQ)
-            m3_step_row(b, j, c, WQ, seal, w, kn, WQ, bk, sk, false);
-        else if ((c -= WQ) < WV)
-            m3_step_row(b, j, c, WV, seal, w, vn, ldv, bv, sv, false);
-        else if ((c -= WV) < H)
-            m3_step_row(b, j, c, H, seal, w, dtn, H, bdt, sdt, true);
-        else if ((c -= H) < H)
-            m3_step_row(b, j, c, H, seal, w, sgn, H, bsg, ssg, true);
-        else
-            m3_step_row(b, j, c - H, H, seal, w, adn, H, bad, sad, false);
+    __syncthreads();
+    for (int64_t j = tid; j < H + M3A; j += STEP_F3)
+        m3_prep_one(row, j, H, di, dt_bias, bc[1], bc[0], B_bias, C_bias, b * H, dtn, sgn, adn,
+                    qgn, ta);
+    __syncthreads(); /* dt and the angles' tanh are written */
+    for (int64_t i = tid; i < H * M3A; i += STEP_F3) {
+        const int64_t h = i / M3A, r = i % M3A, e = b * H + h, at = e * M3A + r;
+        const float th = m3_angle(theta[at], ta[r], dtn[e]);
+        theta[at] = th;
+        m3_rotate_token(th, h, 0, e, r, bc[0], bc[1], B_bias, C_bias, qn, kn, NULL);
     }
 }
 
-#define STEP_Y3 (M3Q + SSD_HP) /* threads of mb_m3_step_y_k: one per column j, then per p */
+#define STEP_Y3 (M3Q + SSD_HP) /* threads of mb_m3_step_k: one per column j, then per p */
 
-/* Mamba-3: the step's output row, mb_m3_y_k's row i = w of the chunk holding the
- * new token (G, M, ys, yi, the D and qk_gamma term and the gate in its expressions
- * and orders) per (head, row) block. Thread j < w computes column j of M, thread
- * M3Q + p the ys of column p, each from its row (of K, of h) held in registers,
- * loaded with the staging of q and of V's rows u <= w, so that the step waits on
- * global memory once; thread p then walks yi's chain. seg[w][j] of the columns j <
- * w (the serial sum of A*dt[j+1..w] from +0) and the cumsum cs_w are carried
- * between steps in seg (B * H, 65; cs in the last slot): each step adds A*dt[w] to
- * the row before's, or walks them again when the plan says whole (or a chunk
- * starts). At a seal the block first moves its heads' state on, h = fma(E, h, S)
- * as mb_ssd_chain_k does, h then being the state entering the chunk. qg: the new
- * token's qk_gamma (B, H). */
+/* Mamba-3, the step after the front, block (head hh, row b); the new token's rows are
+ * the front's (qn, kn, dtn, sgn, adn, qg) and v, read from in_proj's rows (x at
+ * column di). In order:
+ * - Input_States (pk given): h += (v * k) * (dt_1 * (1 - sig_1)), the new token's dt
+ *   and sig, then pk and pv are zeroed; done even when the step was refused (it
+ *   never is: its x is checked before the launch). Nothing else when refused.
+ * - At a seal, the full chunk folds into h as mb_m3_fold_k and mb_ssd_chain_k do
+ *   (the new token's beta completes its last row's trapezoid): h = fma(exp(cs_last),
+ *   h, S), h then being the state entering the new chunk.
+ * - The output row w of the chunk holding the new token, mb_m3_y_k's row i = w (G,
+ *   M, ys, yi, the D and qk_gamma term and the gate in its expressions and orders):
+ *   thread j < w computes column j of M, thread M3Q + p the ys of column p, each
+ *   from its row (of K, of h) held in registers, loaded with the staging of q and of
+ *   V's rows u <= w, so that the step waits on global memory once; thread p then
+ *   walks yi's chain. seg[w][j] of the columns j < w (the serial sum of A*dt[j+1..w]
+ *   from +0) and the cumsum cs_w are carried between steps in seg (B * H, 65; cs in
+ *   the last slot): each step adds A*dt[w] to the row before's, or walks them again
+ *   when the plan says whole (or a chunk starts).
+ * - Last, the new row into the buffers' row w; at a seal, row 0 and zeros after it
+ *   (as _Plan's store). Row 0 of the grid moves ctl on. */
 MB_KERNEL void MB_BOUNDS(STEP_Y3)
-mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di, int64_t dip,
-               const float *Q, const float *K, const float *V, const float *DT, const float *SIG,
-               const float *ADT, const float *qg, const float *D, const float *zx,
-               const float *E, const float *S, float *h, float *seg, float *yg)
+mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t dip,
+             const float *zx, const float *qn, const float *kn, const float *dtn,
+             const float *sgn, const float *adn, const float *qg, const float *D, float *pk,
+             float *pv, float *bq, float *bk, float *bv, float *bdt, float *bsg, float *bad,
+             float *h, float *seg, float *yg)
 {
     MB_GRID_WAIT();
     __shared__ __align__(16) float Vt[M3Q][SSD_HP];
-    __shared__ __align__(16) float qs[SSD_NS];
-    __shared__ float Mt[M3Q + 1], Ys[SSD_HP];
-    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = ydesc + b * MB_DESC;
-    /* every global read is issued as early as its address is known */
-    const int64_t e0 = d[1], n = d[2], w = d[3], seal = scal[0], whole = scal[3];
-    if (w >= n) return; /* refused: no row, the columns kept */
+    __shared__ __align__(16) float qs[SSD_NS], fA[SSD_FJ][SSD_NS], fB[SSD_FJ][SSD_HP];
+    __shared__ float Mt[M3Q + 1], Ys[SSD_HP], cs[M3Q], sc[M3Q], dec[M3Q];
+    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
     const int tid = threadIdx.x;
-    float *hs = h + bh * SSD_HP * SSD_NS, *sg = seg + bh * (M3Q + 1);
+    float *hs = h + bh * per, *sg = seg + bh * (M3Q + 1);
+    if (pk) {
+        const float w1 = dtn[bh] * (1.0f - sgn[bh]);
+        for (int e = tid; e < per; e += STEP_Y3)
+            hs[e] = hs[e] + (pv[bh * SSD_HP + e / SSD_NS] * pk[bh * SSD_NS + e % SSD_NS]) * w1;
+        __syncthreads(); /* pk and pv are read */
+        for (int e = tid; e < SSD_NS + SSD_HP; e += STEP_Y3)
+            (e < SSD_NS ? pk[bh * SSD_NS + e] : pv[bh * SSD_HP + e - SSD_NS]) = 0.0f;
+    }
+    if (scal[2]) return;
+    const int64_t seal = scal[0], w = scal[1], whole = scal[3], e0 = b * M3Q;
+    if (b == 0 && hh == 0 && tid == 0) {
+        ctl[0] = w + 1;
+        ctl[1] = 0;
+    }
+    const float *vn = zx + b * dip + di + hh * SSD_HP;
+    auto at = [&](int64_t j) { return (e0 + j) * H + hh; }; /* buffer row j's index */
+    /* the scale of row j < end, whose next row is the new token's when j + 1 = end */
+    auto scale = [&](int64_t j, int64_t end) {
+        const int64_t e = at(j);
+        const bool nw = j + 1 == end;
+        return bdt[e] * bsg[e] + m3_beta(nw ? dtn[bh] : bdt[e + H], nw ? sgn[bh] : bsg[e + H]);
+    };
+    auto adt = [&](int64_t i) { return i == w ? adn[bh] : bad[at(i)]; };
+    if (seal) {
+        if (tid < M3Q) {
+            cs[tid] = bad[at(tid)];
+            sc[tid] = scale(tid, M3Q);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float acc = 0.0f;
+            for (int j = 0; j < M3Q; j++) cs[j] = acc = acc + cs[j];
+        }
+        __syncthreads();
+        const float lst = cs[M3Q - 1], ex = mb_exp(lst);
+        if (tid < M3Q) dec[tid] = mb_exp(lst - cs[tid]);
+        ssd_fold<STEP_Y3>(M3Q, [&](int64_t j, int m) { return bk[at(j) * SSD_NS + m] * sc[j]; },
+                          [&](int64_t j, int p) { return bv[at(j) * SSD_HP + p] * dec[j]; },
+                          [&](int64_t e, float acc) { hs[e] = fmaf(ex, hs[e], acc); }, fA, fB);
+        __syncthreads(); /* h is whole before its rows are read */
+    }
     float dq = 0.0f, z = 0.0f; /* the row's epilogue operands */
     if (tid < SSD_HP) {
         dq = D[hh] + qg[bh];
         z = zx[b * dip + hh * SSD_HP + tid];
     }
-    if (seal) {
-        for (int64_t e = tid; e < SSD_HP * SSD_NS; e += STEP_Y3)
-            hs[e] = fmaf(E[bh], hs[e], S[bh * SSD_HP * SSD_NS + e]);
-        __syncthreads(); /* h is whole before its rows are read */
-    }
-    const float *q = Q + ((e0 + w) * H + hh) * SSD_NS;
-    for (int m = tid; m < SSD_NS / 4; m += STEP_Y3) mb_cp_async16(qs + 4 * m, q + 4 * m, 16);
+    /* every global read is issued as early as its address is known */
+    for (int m = tid; m < SSD_NS / 4; m += STEP_Y3)
+        mb_cp_async16(qs + 4 * m, qn + bh * SSD_NS + 4 * m, 16);
     for (int e = tid; e < (w + 1) * (SSD_HP / 4); e += STEP_Y3) {
         const int u = e / (SSD_HP / 4), c = e % (SSD_HP / 4) * 4;
-        mb_cp_async16(&Vt[u][c], V + ((e0 + u) * H + hh) * SSD_HP + c, 16);
+        mb_cp_async16(&Vt[u][c], (u == w ? vn : bv + at(u) * SSD_HP) + c, 16);
     }
     mb_cp_commit();
-    const float *adt = ADT + e0 * H + hh; /* row u at adt[u * H] */
     float4 row[SSD_NS / 4];
-    float s = 0.0f, sc = 0.0f;
+    float s = 0.0f, scj = 0.0f;
     if (tid < w) {
-        step_row(row, K + ((e0 + tid) * H + hh) * SSD_NS);
-        sc = m3_scale(DT, SIG, H, (e0 + tid) * H + hh, true);
+        step_row(row, bk + at(tid) * SSD_NS);
+        scj = scale(tid, w);
         if (whole || tid == w - 1)
-            for (int64_t i = tid + 1; i <= w; i++) s = s + adt[i * H];
+            for (int64_t i = tid + 1; i <= w; i++) s = s + adt(i);
         else
-            s = sg[tid] + adt[w * H];
+            s = sg[tid] + adt(w);
         sg[tid] = s;
     } else if (tid == w) {
         float c = 0.0f;
         if (whole || w == 0)
-            for (int64_t i = 0; i <= w; i++) c = c + adt[i * H];
+            for (int64_t i = 0; i <= w; i++) c = c + adt(i);
         else
-            c = sg[M3Q] + adt[w * H];
+            c = sg[M3Q] + adt(w);
         sg[M3Q] = c;
         Mt[M3Q] = mb_exp(c);
     } else if (tid >= M3Q) {
@@ -421,7 +433,7 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
     mb_cp_wait<0>();
     __syncthreads();
     if (tid < w)
-        Mt[tid] = step_dot<true>(qs, row, sc) * mb_exp(s);
+        Mt[tid] = step_dot<true>(qs, row, scj) * mb_exp(s);
     else if (tid >= M3Q)
         Ys[tid - M3Q] = step_dot<false>(qs, row, 1.0f);
     __syncthreads();
@@ -433,6 +445,25 @@ mb_m3_step_y_k(const int64_t *ydesc, const int64_t *scal, int64_t H, int64_t di,
         float y = Ys[p] * Mt[M3Q] + yi;
         y = y + dq * Vt[w][p];
         yg[b * di + hh * SSD_HP + p] = y * mb_silu(z);
+    }
+    /* the new row last: every read of the buffers' rows is behind the barriers */
+    const int64_t W = 2 * SSD_NS + SSD_HP + 3;
+    for (int64_t i = tid; i < (seal ? M3Q : 1) * W; i += STEP_Y3) {
+        const int64_t j = seal ? i / W : w, e = at(j);
+        const bool nw = j == w;
+        int64_t c = i % W;
+        if (c < SSD_NS)
+            bq[e * SSD_NS + c] = nw ? qs[c] : 0.0f;
+        else if ((c -= SSD_NS) < SSD_NS)
+            bk[e * SSD_NS + c] = nw ? kn[bh * SSD_NS + c] : 0.0f;
+        else if ((c -= SSD_NS) < SSD_HP)
+            bv[e * SSD_HP + c] = nw ? Vt[w][c] : 0.0f;
+        else if ((c -= SSD_HP) == 0)
+            bdt[e] = nw ? dtn[bh] : 0.0f;
+        else if (c == 1)
+            bsg[e] = nw ? sgn[bh] : 0.0f;
+        else
+            bad[e] = nw ? adn[bh] : 0.0f;
     }
 }
 
