@@ -206,24 +206,38 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
         yb[b * di + c] = y * mb_silu(z);
     }
     if (!d[5]) return;
-    /* the fold (mb_m2_fold_k's S and E, whole in every block of the head; Xs and Mt
-     * hold its staging and decays) */
+    /* the fold of the block's columns: mb_m2_fold_k's S (its terms and chains: rows
+     * j ascending, SSD_FJ staged at a time in Xs) and E, then h = fma(E, h, S) */
+    static_assert(SSD_FJ * (SSD_NS + STEP_PC) <= STEP_Q2 * STEP_PC, "the fold's staging fits Xs");
+    float(*fA)[SSD_NS] = (float(*)[SSD_NS]) & Xs[0][0];
+    float(*fB)[STEP_PC] = (float(*)[STEP_PC])(&Xs[0][0] + SSD_FJ * SSD_NS);
     float *hs = h + bh * SSD_HP * SSD_NS;
     const float *csc = cs + bh * STEP_Q2, *dtc = dt + bh * STEP_Q2;
     const float last = csc[STEP_Q2 - 1], ex = mb_exp(last);
-    static_assert(STEP_Q2 == SSD_FOLD_THREADS && SSD_FJ * (SSD_NS + SSD_HP) <= STEP_Q2 * STEP_PC,
-                  "the fold runs on the block's threads and staging");
-    float(*fA)[SSD_NS] = (float(*)[SSD_NS]) & Xs[0][0];
-    float(*fB)[SSD_HP] = (float(*)[SSD_HP])(&Xs[0][0] + SSD_FJ * SSD_NS);
+    const int m0 = 4 * (tid / 8), q0 = 4 * (tid % 8); /* rows m0 + (0..3), columns q0 + (0..3) */
+    float acc[4][4] = {};
     __syncthreads(); /* Mt and Xs are consumed */
     Mt[tid] = mb_exp(last - csc[tid]);
-    ssd_fold(STEP_Q2, [&](int64_t j, int m) { return u[j * CD + di + m] * Mt[j]; },
-             [&](int64_t j, int p) { return u[j * CD + hh * SSD_HP + p] * dtc[j]; },
-             [&](int64_t e, float acc) {
-                 const int64_t p = e / SSD_NS;
-                 if (p >= p0 && p < p0 + STEP_PC) hs[e] = fmaf(ex, hs[e], acc);
-             },
-             fA, fB);
+    for (int j0 = 0; j0 < STEP_Q2; j0 += SSD_FJ) {
+        __syncthreads(); /* the decays are written, the previous rows consumed */
+        for (int e = tid; e < SSD_FJ * SSD_NS; e += STEP_Q2) {
+            const int j = e / SSD_NS, m = e % SSD_NS;
+            fA[j][m] = u[(j0 + j) * CD + di + m] * Mt[j0 + j];
+        }
+        for (int e = tid; e < SSD_FJ * STEP_PC; e += STEP_Q2) {
+            const int j = e / STEP_PC, q = e % STEP_PC;
+            fB[j][q] = u[(j0 + j) * CD + c0 + q] * dtc[j0 + j];
+        }
+        __syncthreads();
+        ssd_mma<4, 4, 4, 4>(acc, &fA[0][m0], SSD_NS, &fB[0][q0], STEP_PC, 0, SSD_FJ);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int64_t e = (p0 + q0 + q) * SSD_NS + m0 + r;
+            hs[e] = fmaf(ex, hs[e], acc[r][q]);
+        }
 }
 
 /* Mamba-2, the step's last kernel: a chunk that folded leaves zeros in the buffers
