@@ -418,11 +418,12 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
     /* every global read is issued as early as its address is known */
     for (int m = tid; m < SSD_NS / 4; m += STEP_Y3)
         mb_cp_async16(qs + 4 * m, qn + bh * SSD_NS + 4 * m, 16);
-    for (int e = tid; e < (w + 1) * (SSD_HP / 4); e += STEP_Y3) {
+    for (int e = tid; e < w * (SSD_HP / 4); e += STEP_Y3) {
         const int u = e / (SSD_HP / 4), c = e % (SSD_HP / 4) * 4;
-        mb_cp_async16(&Vt[u][c], (u == w ? vn : bv + at(u) * SSD_HP) + c, 16);
+        mb_cp_async16(&Vt[u][c], bv + at(u) * SSD_HP + c, 16);
     }
     mb_cp_commit();
+    if (tid < SSD_HP) Vt[w][tid] = vn[tid]; /* in_proj's rows need not be 16-byte aligned */
     float4 row[SSD_NS / 4];
     float s = 0.0f, scj = 0.0f;
     if (tid < w) {

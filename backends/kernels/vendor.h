@@ -28,8 +28,13 @@
  * several stages of a tile in flight while it computes on an earlier one. A copy of
  * src_bytes < size zero-fills the rest and reads only src_bytes. HIP copies at once. */
 #if defined(__HIPCC__)
+#ifndef MB_CHECK_ALIGNED16 /* the emulation's check (tests/emu/builtins.h) */
+#define MB_CHECK_ALIGNED16(p)
+#endif
 MB_DEV void mb_cp_async16(float *dst, const float *src, int src_bytes)
 {
+    MB_CHECK_ALIGNED16(dst);
+    MB_CHECK_ALIGNED16(src);
     for (int i = 0; i < 4; i++) dst[i] = 4 * i < src_bytes ? src[i] : 0.0f;
 }
 MB_DEV void mb_cp_async4(float *dst, const float *src, int src_bytes)

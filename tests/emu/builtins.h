@@ -25,6 +25,12 @@ extern "C" void __syncthreads(void);
 extern "C" void mb_emu_warp_sync(void);
 extern "C" uint64_t mb_emu_lane[];  /* one exchange word per thread of the block */
 
+/* A 16-byte copy from or to an address the GPU would fault on (cp.async): the
+ * launch fails with what. */
+extern "C" void mb_emu_fault(const char *what);
+#define MB_CHECK_ALIGNED16(p) \
+    if ((uintptr_t)(p) & 15) mb_emu_fault("a 16-byte copy at a misaligned address: " #p)
+
 /* Counts the threads that pass it: the driver checks that a kernel launched as a
  * programmatic dependent waits in every thread (vendor.h). */
 extern "C" void mb_emu_grid_wait(void);

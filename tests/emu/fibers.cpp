@@ -145,6 +145,12 @@ extern "C" unsigned long long mb_emu_grid_waits;
 unsigned long long mb_emu_grid_waits;
 extern "C" void mb_emu_grid_wait(void) { mb_emu_grid_waits++; }
 
+static const char *fault;
+extern "C" void mb_emu_fault(const char *what)
+{
+    if (!fault) fault = what;
+}
+
 /* Launch run (a kernel called from its parameter array) over the grid; NULL, or
  * what went wrong. */
 extern "C" const char *mb_emu_launch(void (*run)(void **), void **args, unsigned gx,
@@ -168,6 +174,11 @@ extern "C" const char *mb_emu_launch(void (*run)(void **), void **args, unsigned
                 if (!run_block(bx, (odd + x + y + z) & 1)) {
                     snprintf(error, sizeof error, "block (%u, %u, %u) deadlocked: threads wait "
                              "at barriers that not every live thread reaches", x, y, z);
+                    return error;
+                }
+                if (fault) {
+                    snprintf(error, sizeof error, "block (%u, %u, %u): %s", x, y, z, fault);
+                    fault = NULL;
                     return error;
                 }
             }
