@@ -300,7 +300,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
     def norm_gemv_smem(self, M, K):
         """Bytes of dynamic shared memory of mb_gemv_norm_k (gemm.cu) over M rows of K."""
-        return 4 * (GEMV_STAGES * GEMV_ROWS * (self.gemv_kc + 4) + (M + 1) * (_cdiv(K, 4) * 4 + 4))
+        return 4 * (GEMV_STAGES * GEMV_ROWS * (self.gemv_kc + 4) + M * (_cdiv(K, 4) * 4 + 4))
 
     @property
     def norm_smem(self):
@@ -672,7 +672,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         """Y (M, N) = RMSNorm rows of x (M, K) . W^T, xn and r the norm's scratch; conv
         as gemm's. A few rows in identical mode take mb_gemv_norm_k, whose blocks norm
         the rows themselves (the same bits, one kernel and one round trip fewer a
-        decode step; block 0 writes xn) and one more block runs a session step's
+        decode step), and whose first block writes xn and runs a session step's
         guard."""
         smem = self.norm_gemv_smem(M, K)
         if fast or M > GEMV_MROWS or K > LEAF or smem > self.smem_limit:
@@ -681,8 +681,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             return
         epi, guard = (conv[:7], conv[7]) if conv else ((0,) * 7, 0)
         check = self.step_guard(None) or (0, 0, 0, 0)
-        self._launch(s, "mb_gemv_norm_k", (_cdiv(N, GEMV_ROWS) + (check[2] != 0),), GEMV_THREADS,
-                     M, N, K, x, K,
+        self._launch(s, "mb_gemv_norm_k", (_cdiv(N, GEMV_ROWS),), GEMV_THREADS, M, N, K, x, K,
                      norm_w, xn, W, K, Y, N, guard, *check, *epi, smem=smem)
 
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):

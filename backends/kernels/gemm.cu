@@ -231,11 +231,12 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * NORM (mb_gemv_norm_k): X's rows are the block norm's input, copied whole (one
  * leaf, rows ldn floats apart after the ring) and normed in place as mb_rms_k does
  * (thread m walks row m's chain, then (x * r) * nw), by every block: the norm's
- * kernel and its output's round trip leave the step. Block 0 also writes them to xn.
- * Given g, one more block runs the step's guard (finite.cu; cn words at cx), and
- * every block refuses what the guard would (a non-finite x or an earlier refusal).
+ * kernel and its output's round trip leave the step. Block 0 also writes them to xn
+ * and runs the step's
+ * guard (finite.cu; cn words at cx, guard g), and every block refuses what the
+ * guard would (a non-finite x or an earlier refusal).
  * Dynamic shared memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats, NORM
- * GV_STAGES * GV_ROWS * GV_LD + (M + 1) * ldn (_cuda.py gemv_smem, norm_gemv_smem). */
+ * GV_STAGES * GV_ROWS * GV_LD + M * ldn (_cuda.py gemv_smem, norm_gemv_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
 #define GV_KC MB_GEMV_KC
@@ -283,35 +284,27 @@ MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
     MB_GRID_WAIT();
     bool refused = guard && mb_refused(guard);
     if (NORM) {
-        if (g && blockIdx.x == gridDim.x - 1) { /* the guard's own block */
-            mb_guard_step(cn, cx, g, host);
-            return;
-        }
-        float *ws = Xs + mrows * ldn; /* nw, staged after the rows */
         mb_stage_rows(Xs, ldn, Xb, ldx, mrows, ldn - 4, 0, K, vx, tid, GV_THREADS);
-        mb_stage_rows(ws, ldn, nw, 0, 1, ldn - 4, 0, K, ((uintptr_t)nw & 15) == 0, tid,
-                      GV_THREADS);
         mb_cp_commit();
         if (tid == 0) bad = 0;
+        if (g && blockIdx.x == 0) mb_guard_step(cn, cx, g, host);
         mb_cp_wait<0>();
         __syncthreads();
-        const int kn = (int)K;
+        for (int i = tid; i < mrows * K; i += GV_THREADS)
+            if ((__float_as_uint(Xs[i / K * ldn + i % K]) & 0x7f800000u) == 0x7f800000u) bad = 1;
         if (tid < mrows) {
             const float *t = Xs + tid * ldn;
-            const int n16 = kn / 16 * 16;
+            const int n16 = (int)K / 16 * 16;
             float acc = mb_chain_tile<true>(0.0f, t, t, n16);
-            for (int k = n16; k < kn; k++) acc = fmaf(t[k], t[k], acc);
+            for (int k = n16; k < K; k++) acc = fmaf(t[k], t[k], acc);
             rr[tid] = mb_rsqrt(acc / (float)K + MB_EPS);
         }
         __syncthreads();
-        for (int m = 0; m < mrows; m++)
-            for (int k = tid; k < kn; k += GV_THREADS) {
-                float *x = Xs + m * ldn + k;
-                if ((__float_as_uint(*x) & 0x7f800000u) == 0x7f800000u) bad = 1;
-                *x = (*x * rr[m]) * ws[k];
-                if (xn && blockIdx.x == 0) xn[(m0 + m) * K + k] = *x;
-            }
-        __syncthreads();
+        for (int i = tid; i < mrows * K; i += GV_THREADS) {
+            float *x = Xs + i / K * ldn + i % K;
+            *x = (*x * rr[i / K]) * nw[i % K];
+            if (xn && blockIdx.x == 0) xn[(m0 + i / K) * K + i % K] = *x;
+        }
         refused = refused || (guard && bad);
     }
     for (int s = 0; s < GV_STAGES - 1; s++) {
