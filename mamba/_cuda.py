@@ -54,8 +54,7 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_norm_k",
-           "mb_dot_fold_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
@@ -65,8 +64,7 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
 WAITS = frozenset((
-    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_gemv_norm_k",
-    "mb_dot_fold_k",
+    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
     "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
     "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
     "mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k",
@@ -290,17 +288,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     name = "cuda"
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
     gemv_kc = 256  # terms per stage of mb_gemv_k: vendor.h MB_GEMV_KC
-    smem_limit = 160 * 1024  # dynamic shared memory a block may opt into (sm_80 has 163 KiB)
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
 
     @property
     def gemv_smem(self):
         """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu)."""
         return 4 * GEMV_STAGES * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
-
-    def norm_gemv_smem(self, M, K):
-        """Bytes of dynamic shared memory of mb_gemv_norm_k (gemm.cu) over M rows of K."""
-        return 4 * (GEMV_STAGES * GEMV_ROWS * (self.gemv_kc + 4) + M * (_cdiv(K, 4) * 4 + 4))
 
     @property
     def norm_smem(self):
@@ -327,8 +320,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
         self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
-        big = {"mb_gemv_k": self.gemv_smem, "mb_gemv_norm_k": self.smem_limit,
-               "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
+        big = {"mb_gemv_k": self.gemv_smem, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
             self._allow_smem(k, smem)
         props = cu.CUmemPoolProps()
@@ -668,22 +660,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
 
-    def _norm_gemm(self, s, fast, M, K, x, norm_w, xn, r, N, W, Y, parts, conv=None):
-        """Y (M, N) = RMSNorm rows of x (M, K) . W^T, xn and r the norm's scratch; conv
-        as gemm's. A few rows in identical mode take mb_gemv_norm_k, whose blocks norm
-        the rows themselves (the same bits, one kernel and one round trip fewer a
-        decode step), and whose first block writes xn and runs a session step's
-        guard."""
-        smem = self.norm_gemv_smem(M, K)
-        if fast or M > GEMV_MROWS or K > LEAF or smem > self.smem_limit:
-            self._rmsnorm(s, fast, M, K, x, norm_w, xn, r)
-            self.gemm(s, M, N, K, xn, K, W, K, Y, N, parts, fast, conv=conv)
-            return
-        epi, guard = (conv[:7], conv[7]) if conv else ((0,) * 7, 0)
-        check = self.step_guard(None) or (0, 0, 0, 0)
-        self._launch(s, "mb_gemv_norm_k", (_cdiv(N, GEMV_ROWS),), GEMV_THREADS, M, N, K, x, K,
-                     norm_w, xn, W, K, Y, N, guard, *check, *epi, smem=smem)
-
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
         """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
         scratch (identical). The first norm of a session step's capture also runs the
@@ -782,9 +758,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             xs = b.xs
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xs)
+        self._rmsnorm(s, fast, M, dm, xs, norm_w, b.xn, b.r)
         step = (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None
-        self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts,
-                        step)
+        self.gemm(s, M, 2 * di, dm, b.xn, dm, in_proj, dm, b.xz, 2 * di, b.parts, fast, conv=step)
         rows = min(B, 65535)
         if L > 1:
             self._launch(s, pre + "conv_silu_k", (self._grid(_cdiv(L, CONV_RUN) * di), rows),

@@ -157,11 +157,6 @@ class SsdMixin:
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
                          B, L, dm, I["off"], xd, xs)
         xn = sc(M * dm)
-        if len(widths) == 1:
-            blocks = [sc(M * widths[0])]
-            self._norm_gemm(s, fast, M, dm, xs, norm_w, xn, I["r"], widths[0], in_proj,
-                            blocks[0], parts, conv)
-            return xd, xn, blocks
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
         blocks, col = [], 0
         for n in widths:

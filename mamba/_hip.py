@@ -165,7 +165,6 @@ class HipBackend(_cuda.CudaBackend):
     name = "hip"
     stages = 2  # vendor.h MB_STAGES under hipcc: AMD's 64 KiB of LDS holds two
     gemv_kc = 128  # vendor.h MB_GEMV_KC under hipcc
-    smem_limit = 64 * 1024  # the LDS of a workgroup
     m1b_group = 8  # back1.cu M1B_G under hipcc, for the same LDS
     tensor_cores = False  # CUDA_ONLY: fast mode's projections take the identical GEMM
 

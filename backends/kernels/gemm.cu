@@ -9,7 +9,6 @@
  * chains for a few rows of X (decode). */
 #include "vendor.h"
 #include "numerics.h"
-#include "ops.h"
 #include "chain.h"
 
 #define BK 8
@@ -227,16 +226,8 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
  * Y = res + chain, NaN when the session guard refused the step; a decode step's
- * conv (conv.cu conv_epilogue) may run on the outputs' conv columns.
- * NORM (mb_gemv_norm_k): X's rows are the block norm's input, copied whole (one
- * leaf, rows ldn floats apart after the ring) and normed in place as mb_rms_k does
- * (thread m walks row m's chain, then (x * r) * nw), by every block: the norm's
- * kernel and its output's round trip leave the step. Block 0 also writes them to xn
- * and runs the step's
- * guard (finite.cu; cn words at cx, guard g), and every block refuses what the
- * guard would (a non-finite x or an earlier refusal).
- * Dynamic shared memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats, NORM
- * GV_STAGES * GV_ROWS * GV_LD + M * ldn (_cuda.py gemv_smem, norm_gemv_smem). */
+ * conv (conv.cu conv_epilogue) may run on the outputs' conv columns. Dynamic shared
+ * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py gemv_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
 #define GV_KC MB_GEMV_KC
@@ -244,16 +235,12 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
 #define GV_STAGES 2
 #define GV_THREADS 256
 
-template <bool NORM>
-MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
-                      const float *W, int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf,
-                      const float *res, int64_t ldr, const unsigned long long *guard,
-                      const float *nw, float *xn, int64_t cn, const uint32_t *cx,
-                      unsigned long long *g, volatile unsigned long long *host, MB_CONV_EPI_ARGS)
+MB_KERNEL void MB_BOUNDS(GV_THREADS)
+mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
+          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr,
+          const unsigned long long *guard, MB_CONV_EPI_ARGS)
 {
     extern __shared__ __align__(16) float sm[];
-    __shared__ float rr[GV_MROWS];
-    __shared__ int bad;
     float *Ws = sm, *Xs = sm + GV_STAGES * GV_ROWS * GV_LD;
     const int tid = threadIdx.x, lane = tid % 32, mw = tid / 32;
     const int64_t n0 = (int64_t)blockIdx.x * GV_ROWS, m0 = (int64_t)blockIdx.y * GV_MROWS;
@@ -267,7 +254,6 @@ MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
     const int chunks = (int)((k1 - k0 + GV_KC - 1) / GV_KC);
     const int first = mrows < GV_MROWS ? 32 * mrows : 0; /* the loaders: tid >= first */
     const int ltid = tid - first, lthreads = GV_THREADS - first;
-    const int ldn = (int)((K + 3) / 4 * 4 + 4); /* NORM: X's rows in shared memory */
     Y += (int64_t)blockIdx.z * ldleaf;
 
 #define MB_GV_STAGE(c, Rs, R, ld, rows, vec, nr)                                      \
@@ -276,39 +262,14 @@ MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
                       k0 + (int64_t)(c) * GV_KC, k1, vec, ltid, lthreads);
 #define MB_GV_ISSUE(c)                                                                \
     MB_GV_STAGE(c, Ws, Wb, ldw, nrows, vw, GV_ROWS)                                   \
-    if (!NORM) MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+    MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
     /* the weights' first stages are copied while the previous kernel may still run;
      * they join the first stage's group of copies */
     for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
         MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
-    bool refused = guard && mb_refused(guard);
-    if (NORM) {
-        mb_stage_rows(Xs, ldn, Xb, ldx, mrows, ldn - 4, 0, K, vx, tid, GV_THREADS);
-        mb_cp_commit();
-        if (tid == 0) bad = 0;
-        if (g && blockIdx.x == 0) mb_guard_step(cn, cx, g, host);
-        mb_cp_wait<0>();
-        __syncthreads();
-        for (int i = tid; i < mrows * K; i += GV_THREADS)
-            if ((__float_as_uint(Xs[i / K * ldn + i % K]) & 0x7f800000u) == 0x7f800000u) bad = 1;
-        if (tid < mrows) {
-            const float *t = Xs + tid * ldn;
-            const int n16 = (int)K / 16 * 16;
-            float acc = mb_chain_tile<true>(0.0f, t, t, n16);
-            for (int k = n16; k < K; k++) acc = fmaf(t[k], t[k], acc);
-            rr[tid] = mb_rsqrt(acc / (float)K + MB_EPS);
-        }
-        __syncthreads();
-        for (int i = tid; i < mrows * K; i += GV_THREADS) {
-            float *x = Xs + i / K * ldn + i % K;
-            *x = (*x * rr[i / K]) * nw[i % K];
-            if (xn && blockIdx.x == 0) xn[(m0 + i / K) * K + i % K] = *x;
-        }
-        refused = refused || (guard && bad);
-    }
     for (int s = 0; s < GV_STAGES - 1; s++) {
-        if (!NORM && s < chunks) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+        if (s < chunks) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
     }
     float acc = 0.0f;
@@ -321,8 +282,7 @@ MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
         if (live) {
             const int slot = c % GV_STAGES;
             const float *w = Ws + (slot * GV_ROWS + lane) * GV_LD;
-            const float *x = NORM ? Xs + mw * ldn + c * GV_KC
-                                  : Xs + (slot * GV_MROWS + mw) * GV_LD;
+            const float *x = Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
             if (kn >= GV_KC)
                 acc = mb_chain_tile<false>(acc, x, w, GV_KC);
@@ -336,31 +296,10 @@ MB_DEV void gemv_rows(int64_t M, int64_t N, int64_t K, const float *X, int64_t l
     if (live && lane < nrows) {
         const int64_t m = m0 + mw, n = n0 + lane;
         float v = acc;
-        if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
+        if (res) v = mb_refused(guard) ? MB_QNAN : res[m * ldr + n] + v;
         Y[m * ldy + n] = v;
-        conv_epilogue<mb_identical>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
+        conv_epilogue<mb_identical>(m, n, v, !mb_refused(guard), c0, C, window, cw, cb, u, ldu);
     }
-}
-
-MB_KERNEL void MB_BOUNDS(GV_THREADS)
-mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
-          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr,
-          const unsigned long long *guard, MB_CONV_EPI_ARGS)
-{
-    gemv_rows<false>(M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, ldr, guard, nullptr, nullptr,
-                     0, nullptr, nullptr, nullptr, c0, C, window, cw, cb, u, ldu);
-}
-
-/* One leaf (K <= 8192), no residual: the in_proj of a decode step; block 0 also
- * writes the normed rows to xn (M, K; optional). */
-MB_KERNEL void MB_BOUNDS(GV_THREADS)
-mb_gemv_norm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *nw,
-               float *xn, const float *W, int64_t ldw, float *Y, int64_t ldy,
-               const unsigned long long *guard, int64_t cn, const uint32_t *cx,
-               unsigned long long *g, volatile unsigned long long *host, MB_CONV_EPI_ARGS)
-{
-    gemv_rows<true>(M, N, K, X, ldx, W, ldw, Y, ldy, 0, nullptr, 0, guard, nw, xn, cn, cx, g,
-                    host, c0, C, window, cw, cb, u, ldu);
 }
 
 /* Join P leaf results per output with mb_dot's tree (parts[p * ldp + m * N + n]);
