@@ -1,4 +1,5 @@
 """The blocks under test and the shapes each lane uses, shared by every promise."""
+import array
 import os
 
 import mamba
@@ -8,9 +9,13 @@ import mamba
 BLOCKS = {
     "mamba1": dict(cls=mamba.Mamba1Block, d_model=32, decode=(5, 14), splits=(1, 3, 7, 20),
                    length=24),
-    # one head; the lanes cross the chunk grid (Q = 256) before, on and after a boundary
-    "mamba2": dict(cls=mamba.Mamba2Block, d_model=32, decode=(250, 262),
-                   splits=(3, 255, 256, 300), length=520),
+    # one head; the lanes cross the chunk grid (Q = 256) before, on and after a
+    # boundary, decode at the second (a state entering the folding chunk). A slow
+    # decay (A = -exp(-1.5)): a chunk keeps about 1 % of the state entering it, so
+    # that its fold's exp(cs_last) * h shows in the bits (with random_weights' A it
+    # underflows to zero)
+    "mamba2": dict(cls=mamba.Mamba2Block, d_model=32, decode=(506, 518),
+                   splits=(3, 255, 256, 300), length=520, fill={"A_log": -1.5}),
     # two heads; the lanes cross the chunk grid (Q = 64) and seal chunks mid-decode
     "mamba3": dict(cls=mamba.Mamba3Block, d_model=64, decode=(60, 70), splits=(1, 63, 64, 65),
                    length=130),
@@ -20,7 +25,11 @@ BLOCKS = {
 def make(name, d_model=None, seed=0, **kw):
     spec = BLOCKS[name]
     dm = d_model or spec["d_model"]
-    return spec["cls"](mamba.random_weights(name, dm, seed=seed), **kw)
+    w = mamba.random_weights(name, dm, seed=seed)
+    for k, v in spec.get("fill", {}).items():
+        m = memoryview(w[k]).cast("B").cast("f")
+        m[:] = array.array("f", [v] * len(m))
+    return spec["cls"](w, **kw)
 
 
 def gpu_backends(block=None):
