@@ -16,8 +16,9 @@ BLOCKS = {
     # underflows to zero)
     "mamba2": dict(cls=mamba.Mamba2Block, d_model=32, decode=(506, 518),
                    splits=(3, 255, 256, 300), length=520, fill={"A_log": -1.5}),
-    # two heads; the lanes cross the chunk grid (Q = 64) and seal chunks mid-decode
-    "mamba3": dict(cls=mamba.Mamba3Block, d_model=64, decode=(60, 70), splits=(1, 63, 64, 65),
+    # two heads; the lanes cross the chunk grid (Q = 64) and decode seals the second
+    # chunk (a nonzero state entering it)
+    "mamba3": dict(cls=mamba.Mamba3Block, d_model=64, decode=(124, 134), splits=(1, 63, 64, 65),
                    length=130),
 }
 
