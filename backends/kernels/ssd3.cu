@@ -197,11 +197,38 @@ MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, b
     return DT[e] * SIG[e] + beta;
 }
 
+/* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale
+ * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
+ * (k(j, m) * scale_j) (v(j, p) * dec_j), dec_j = exp(cs_last - cs_j); out(e, S,
+ * exp(cs_last)) per element. cs, sc, dec: M3Q floats of shared memory each. */
+template <int T, class Adt, class Scl, class KF, class VF, class Out>
+MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs, float *sc,
+                    float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
+{
+    /* the row values loaded by one thread each, then the cumsum serial over shared
+     * memory (n global latencies in a row otherwise) */
+    const int t = threadIdx.x;
+    if (t < n) {
+        cs[t] = adt(t);
+        sc[t] = scl(t);
+    }
+    __syncthreads();
+    if (t == 0) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) cs[j] = acc = acc + cs[j];
+    }
+    __syncthreads();
+    const float last = cs[n - 1], ex = mb_exp(last);
+    if (t < n) dec[t] = mb_exp(last - cs[t]);
+    ssd_fold<T>(n, [&](int64_t j, int m) { return k(j, m) * sc[j]; },
+                [&](int64_t j, int p) { return v(j, p) * dec[j]; },
+                [&](int64_t e, float acc) { out(e, acc, ex); }, sA, sB);
+}
+
 /* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
  * fold flag (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
- * out[c, h] = fma(exp(cs_last), hin[c, h], S). S's terms are (k_j[m] * scale_j)
- * (v_j[p] * dec_j). */
+ * out[c, h] = fma(exp(cs_last), hin[c, h], S). */
 MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
 mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
              const float *SIG, const float *ADT, const float *hin, float *out, float *E)
@@ -213,27 +240,18 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     const bool sealed = d[5] != 0;
     if (!hin && !sealed) return;
-    /* the row values loaded by one thread each, then the cumsum serial over shared
-     * memory (n global latencies in a row otherwise) */
-    const int t = threadIdx.x;
-    if (t < n) {
-        cs[t] = ADT[(e0 + t) * H + h];
-        sc[t] = m3_scale(DT, SIG, H, (e0 + t) * H + h, t + 1 < n || sealed);
-    }
-    __syncthreads();
-    if (t == 0) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++) cs[j] = acc = acc + cs[j];
-    }
-    __syncthreads();
-    const float last = cs[n - 1], ex = mb_exp(last);
-    if (t < n) dec[t] = mb_exp(last - cs[t]);
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    ssd_fold(n, [&](int64_t j, int m) { return K[((e0 + j) * H + h) * SSD_NS + m] * sc[j]; },
-             [&](int64_t j, int p) { return V[((e0 + j) * H + h) * SSD_HP + p] * dec[j]; },
-             [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
-    if (!hin && threadIdx.x == 0) E[ch] = ex;
+    m3_fold<SSD_FOLD_THREADS>(
+        n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
+        [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
+        [&](int64_t j, int m) { return K[((e0 + j) * H + h) * SSD_NS + m]; },
+        [&](int64_t j, int p) { return V[((e0 + j) * H + h) * SSD_HP + p]; },
+        [&](int64_t e, float acc, float ex) {
+            o[e] = hi ? fmaf(ex, hi[e], acc) : acc;
+            if (!hin && e == 0) E[ch] = ex;
+        },
+        cs, sc, dec, sA, sB);
 }
 
 /* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The

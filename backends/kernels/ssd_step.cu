@@ -393,21 +393,12 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
     };
     auto adt = [&](int64_t i) { return i == w ? adn[bh] : bad[at(i)]; };
     if (seal) {
-        if (tid < M3Q) {
-            cs[tid] = bad[at(tid)];
-            sc[tid] = scale(tid, M3Q);
-        }
-        __syncthreads();
-        if (tid == 0) {
-            float acc = 0.0f;
-            for (int j = 0; j < M3Q; j++) cs[j] = acc = acc + cs[j];
-        }
-        __syncthreads();
-        const float lst = cs[M3Q - 1], ex = mb_exp(lst);
-        if (tid < M3Q) dec[tid] = mb_exp(lst - cs[tid]);
-        ssd_fold<STEP_Y3>(M3Q, [&](int64_t j, int m) { return bk[at(j) * SSD_NS + m] * sc[j]; },
-                          [&](int64_t j, int p) { return bv[at(j) * SSD_HP + p] * dec[j]; },
-                          [&](int64_t e, float acc) { hs[e] = fmaf(ex, hs[e], acc); }, fA, fB);
+        m3_fold<STEP_Y3>(
+            M3Q, [&](int64_t j) { return bad[at(j)]; }, [&](int64_t j) { return scale(j, M3Q); },
+            [&](int64_t j, int m) { return bk[at(j) * SSD_NS + m]; },
+            [&](int64_t j, int p) { return bv[at(j) * SSD_HP + p]; },
+            [&](int64_t e, float acc, float ex) { hs[e] = fmaf(ex, hs[e], acc); }, cs, sc, dec,
+            fA, fB);
         __syncthreads(); /* h is whole before its rows are read */
     }
     float dq = 0.0f, z = 0.0f; /* the row's epilogue operands */
