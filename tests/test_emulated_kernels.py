@@ -516,3 +516,30 @@ def test_every_kernel_ran(be, request):
     if len(ran) < len(request.node.parent.collect()):
         pytest.skip("only part of this module ran")
     assert set(be.cu.kernels) - be.cu.launched == set(), "kernels no test here launched"
+
+
+def test_state_pass_four_elements_or_one(be):
+    """mb_ssd_chain_k takes four elements a thread when h, S and hck are 16-byte
+    aligned and one otherwise: a state h one float off gives the same bits, over more
+    chunks than one run of loads and past a chunk that does not fold."""
+    H, per, NC = 2, _cuda_ssd.HP * _cuda_ssd.NS, 11
+    S = be.copy(rand((NC * H * per,), 70))
+    E = be.copy(mamba.asarray(array.array("f", [0.8 + 0.01 * i for i in range(NC * H)]),
+                              (NC * H,)))
+    h0 = rand((H * per,), 71)
+    desc = array.array("q", [0] * (NC * _cuda_ssd.DESC))
+    for c in range(NC):
+        desc[c * _cuda_ssd.DESC + 5] = c != 4
+    tables = be.copy(mamba.asarray(array.array("f", bytes(array.array("q", [0, NC])) +
+                                               bytes(desc)), (2 * (2 + len(desc)),)))
+    be._kernels("mb_ssd_chain_k")
+    out = []
+    for shift in (0, 1):
+        hbuf = be.copy(mamba.asarray(array.array("f", [0.0] * shift + floats(h0)),
+                                     (H * per + shift,)))
+        hck = be.new((NC * H * per,))
+        be._launch(be.stream().cu, "mb_ssd_chain_k", (4,), 256, 1, H, tables.ptr,
+                   tables.ptr + 16, E.ptr, S.ptr, hbuf.ptr + 4 * shift, hck.ptr)
+        out.append((raw(host(hbuf))[4 * shift:], raw(host(hck))))
+    assert out[0] == out[1]
+    assert out[0][0] != raw(h0)  # the pass moved h on

@@ -52,36 +52,77 @@ MB_KERNEL void mb_ssd_store_k(int64_t B, const int64_t *st, int64_t Q, int64_t W
 /* The state pass, serial over each row's chunks [cbeg[b], cbeg[b + 1]): hck[c]
  * receives the state entering chunk c, and a folding chunk moves it on by
  * h = fma(E[c, h], h, S[c, h]) (E = exp(dA_cs_last), S the chunk's contraction).
- * h (B, H, HP, NS) ends as the state entering the last chunk's successor. One
- * thread per element of h; hck may be S itself, so each group of SSD_CHAIN_RUN
- * chunks is read before any of it is written, which also keeps that many loads in
- * flight per thread instead of one. */
+ * h (B, H, HP, NS) ends as the state entering the last chunk's successor. A thread
+ * takes W consecutive elements of h (4 when h, S and hck are 16-byte aligned, else
+ * 1): a bound on registers is a bound on loads in flight, and float4 loads carry
+ * four times the bytes. hck may be S itself, so each group of SSD_CHAIN_RUN chunks
+ * is read before any of it is written, which also keeps that many loads in flight
+ * per thread instead of one. */
 #define SSD_CHAIN_RUN 8
-MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
-                              const float *E, const float *S, float *h, float *hck)
+
+/* W floats as one value (float or float4): zero, and fma(e, v, s) element by element */
+template <int W> struct ssd_vec;
+template <> struct ssd_vec<1> {
+    typedef float type;
+    MB_DEV float zero() { return 0.0f; }
+    MB_DEV float fma(float e, float v, float s) { return fmaf(e, v, s); }
+};
+template <> struct ssd_vec<4> {
+    typedef float4 type;
+    MB_DEV float4 zero()
+    {
+        float4 r;
+        r.x = r.y = r.z = r.w = 0.0f;
+        return r;
+    }
+    MB_DEV float4 fma(float e, float4 v, float4 s)
+    {
+        float4 r;
+        r.x = fmaf(e, v.x, s.x);
+        r.y = fmaf(e, v.y, s.y);
+        r.z = fmaf(e, v.z, s.z);
+        r.w = fmaf(e, v.w, s.w);
+        return r;
+    }
+};
+
+template <int W>
+MB_DEV void ssd_chain(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
+                      const float *E, const float *S, float *h, float *hck)
 {
-    const int64_t per = SSD_HP * SSD_NS;
-    MB_GRID_LOOP(i, B * H * per) {
-        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per, c1 = cbeg[b + 1];
-        float v = h[i];
+    typedef typename ssd_vec<W>::type V;
+    const int64_t per = SSD_HP * SSD_NS, cs = H * per; /* cs: a chunk's stride */
+    MB_GRID_LOOP(q, B * cs / W) {
+        const int64_t i = q * W, b = i / cs, hh = (i / per) % H, e = i % per, c1 = cbeg[b + 1];
+        V v = *(V *)(h + i);
         for (int64_t c0 = cbeg[b]; c0 < c1; c0 += SSD_CHAIN_RUN) {
-            float sv[SSD_CHAIN_RUN], ev[SSD_CHAIN_RUN];
+            V sv[SSD_CHAIN_RUN];
+            float ev[SSD_CHAIN_RUN];
             bool fold[SSD_CHAIN_RUN];
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t ch = (c0 + k) * H + hh;
                 fold[k] = c0 + k < c1 && desc[(c0 + k) * MB_DESC + 5] != 0;
-                sv[k] = fold[k] ? S[ch * per + e] : 0.0f;
+                sv[k] = fold[k] ? *(const V *)(S + ch * per + e) : ssd_vec<W>::zero();
                 ev[k] = fold[k] ? E[ch] : 0.0f;
             }
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
-                if (c0 + k < c1) hck[((c0 + k) * H + hh) * per + e] = v;
-                if (fold[k]) v = fmaf(ev[k], v, sv[k]); /* fold is false past c1 */
+                if (c0 + k < c1) *(V *)(hck + ((c0 + k) * H + hh) * per + e) = v;
+                if (fold[k]) v = ssd_vec<W>::fma(ev[k], v, sv[k]); /* fold is false past c1 */
             }
         }
-        h[i] = v;
+        *(V *)(h + i) = v;
     }
+}
+
+MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
+                              const float *E, const float *S, float *h, float *hck)
+{
+    if ((((uintptr_t)h | (uintptr_t)S | (uintptr_t)hck) & 15) == 0)
+        ssd_chain<4>(B, H, cbeg, desc, E, S, h, hck);
+    else
+        ssd_chain<1>(B, H, cbeg, desc, E, S, h, hck);
 }
 
 /* The backward's state pass: dh leaving each chunk (HP, NS) but a row's last,
