@@ -519,9 +519,10 @@ def test_every_kernel_ran(be, request):
 
 
 def test_state_pass_four_elements_or_one(be):
-    """mb_ssd_chain_k takes four elements a thread when h, S and hck are 16-byte
-    aligned and one otherwise: a state h one float off gives the same bits, over more
-    chunks than one run of loads and past a chunk that does not fold."""
+    """mb_ssd_chain_k and mb_ssd_dchain_k take four elements a thread when their
+    arrays are 16-byte aligned and one otherwise: an array one float off gives the
+    same bits, over more chunks than one run of loads (and, forward, past a chunk that
+    does not fold)."""
     H, per, NC = 2, _cuda_ssd.HP * _cuda_ssd.NS, 11
     S = be.copy(rand((NC * H * per,), 70))
     E = be.copy(mamba.asarray(array.array("f", [0.8 + 0.01 * i for i in range(NC * H)]),
@@ -532,7 +533,7 @@ def test_state_pass_four_elements_or_one(be):
         desc[c * _cuda_ssd.DESC + 5] = c != 4
     tables = be.copy(mamba.asarray(array.array("f", bytes(array.array("q", [0, NC])) +
                                                bytes(desc)), (2 * (2 + len(desc)),)))
-    be._kernels("mb_ssd_chain_k")
+    be._kernels("mb_ssd_chain_k", "mb_ssd_dchain_k")
     out = []
     for shift in (0, 1):
         hbuf = be.copy(mamba.asarray(array.array("f", [0.0] * shift + floats(h0)),
@@ -543,3 +544,11 @@ def test_state_pass_four_elements_or_one(be):
         out.append((raw(host(hbuf))[4 * shift:], raw(host(hck))))
     assert out[0] == out[1]
     assert out[0][0] != raw(h0)  # the pass moved h on
+    back = []
+    for shift in (0, 1):  # in place, dh = Sd
+        sd = be.copy(mamba.asarray(array.array("f", [0.0] * shift + floats(host(S))),
+                                   (NC * H * per + shift,)))
+        be._launch(be.stream().cu, "mb_ssd_dchain_k", (4,), 256, 1, H, tables.ptr, E.ptr,
+                   sd.ptr + 4 * shift, sd.ptr + 4 * shift)
+        back.append(raw(host(sd))[4 * shift:])
+    assert back[0] == back[1] != raw(host(S))

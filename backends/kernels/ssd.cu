@@ -129,32 +129,44 @@ MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const i
  * serial over the row's chunks [cbeg[b], cbeg[b + 1]) in reverse: the last chunk
  * passes its own Sd back, every earlier chunk c receives it as dh[c] and passes
  * fma(E[c], dh[c], Sd[c]) on (not formed for the row's first chunk, which has no
- * predecessor). One thread per element; loads run ahead as in mb_ssd_chain_k, and
+ * predecessor). W elements a thread and loads run ahead as in mb_ssd_chain_k, and
  * dh may be Sd itself (each element is read before it is written). */
-MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
-                               const float *Sd, float *dh)
+template <int W>
+MB_DEV void ssd_dchain(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
+                       const float *Sd, float *dh)
 {
+    typedef typename ssd_vec<W>::type V;
     const int64_t per = SSD_HP * SSD_NS;
-    MB_GRID_LOOP(i, B * H * per) {
-        const int64_t b = i / (H * per), hh = (i / per) % H, e = i % per;
+    MB_GRID_LOOP(q, B * H * per / W) {
+        const int64_t i = q * W, b = i / (H * per), hh = (i / per) % H, e = i % per;
         const int64_t c0 = cbeg[b], last = cbeg[b + 1] - 1;
-        float v = Sd[(last * H + hh) * per + e];
+        V v = *(const V *)(Sd + (last * H + hh) * per + e);
         for (int64_t ct = last - 1; ct >= c0; ct -= SSD_CHAIN_RUN) {
-            float sv[SSD_CHAIN_RUN], ev[SSD_CHAIN_RUN];
+            V sv[SSD_CHAIN_RUN];
+            float ev[SSD_CHAIN_RUN];
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t c = ct - k, ch = c * H + hh;
-                sv[k] = c > c0 ? Sd[ch * per + e] : 0.0f;
+                sv[k] = c > c0 ? *(const V *)(Sd + ch * per + e) : ssd_vec<W>::zero();
                 ev[k] = c > c0 ? E[ch] : 0.0f;
             }
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t c = ct - k;
-                if (c >= c0) dh[(c * H + hh) * per + e] = v;
-                if (c > c0) v = fmaf(ev[k], v, sv[k]);
+                if (c >= c0) *(V *)(dh + (c * H + hh) * per + e) = v;
+                if (c > c0) v = ssd_vec<W>::fma(ev[k], v, sv[k]);
             }
         }
     }
+}
+
+MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
+                               const float *Sd, float *dh)
+{
+    if ((((uintptr_t)Sd | (uintptr_t)dh) & 15) == 0)
+        ssd_dchain<4>(B, H, cbeg, E, Sd, dh);
+    else
+        ssd_dchain<1>(B, H, cbeg, E, Sd, dh);
 }
 
 /* New rows into ext: ext row eoff[b] + t0[b] + t takes packed row off[b] + t of
