@@ -7,6 +7,15 @@ def f32(obj, what, name, writable=False):
     return _core.intake(obj, what, name, writable)
 
 
+def aligned(a, what, name):
+    """A device array the kernels use in place (a state piece) starts on a 16-byte
+    boundary: they read it four floats at a time, and a misaligned read would end
+    the device context."""
+    if a.device != "cpu" and a.ptr % 16:
+        raise ValueError(f"mamba {what}: {name} on the device must start on a 16-byte "
+                         f"boundary (its address is {a.ptr % 16} bytes past one)")
+
+
 def finite_later(checks, what):
     """Finite checks of [(array, name, base)] (base: the flat index of the array's
     first element in the buffer called name). Host arrays are checked at once;

@@ -99,6 +99,7 @@ class _Block:
         for n in self._STATE._PIECES:
             a = chk.f32(getattr(state, n), what, f"state.{n}", writable=True)
             chk.shape(a, what, f"state.{n}", shapes[n])
+            chk.aligned(a, what, f"state.{n}")
             arrs.append(a)
         chk.finite_later([(a, f"state.{n}", 0) for a, n in zip(arrs, self._STATE._PIECES)],
                          what)()

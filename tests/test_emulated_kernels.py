@@ -552,3 +552,28 @@ def test_state_pass_four_elements_or_one(be):
                    sd.ptr + 4 * shift, sd.ptr + 4 * shift)
         back.append(raw(host(sd))[4 * shift:])
     assert back[0] == back[1] != raw(host(S))
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_misaligned_device_state_is_refused(be, name):
+    """A device state piece that does not start on a 16-byte boundary (a view one float
+    into a buffer) is refused, naming it, before anything runs: the kernels read state
+    four floats at a time."""
+    class View:  # a device array one float into its buffer
+        def __init__(self, dev, shape):
+            self.dev = dev
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "version": 3,
+                                             "data": (dev.ptr + 4, False), "strides": None}
+    gpu = make(name, backend="cuda")
+    st = gpu.allocate_state(1)
+    first = st._PIECES[0]
+    shape = tuple(getattr(st, first).shape)
+    buf = be.copy(mamba.asarray(array.array("f", [0.0] * (1 + math.prod(shape))),
+                                (1 + math.prod(shape),)))
+    pieces = [View(buf, shape) if n == first else be.copy(p)
+              for n, p in zip(st._PIECES, st.pieces())]
+    x = be.copy(rand((1, 1, gpu.d_model), 80))
+    with pytest.raises(ValueError, match=f"state.{first} on the device must start on a "
+                                         "16-byte boundary"):
+        gpu.forward(x, type(st)(*pieces))
+    assert floats(host(buf)) == [0.0] * (1 + math.prod(shape))
