@@ -518,40 +518,18 @@ def test_every_kernel_ran(be, request):
     assert set(be.cu.kernels) - be.cu.launched == set(), "kernels no test here launched"
 
 
-def test_state_pass_four_elements_or_one(be):
-    """mb_ssd_chain_k and mb_ssd_dchain_k take four elements a thread when their
-    arrays are 16-byte aligned and one otherwise: an array one float off gives the
-    same bits, over more chunks than one run of loads (and, forward, past a chunk that
-    does not fold)."""
-    H, per, NC = 2, _cuda_ssd.HP * _cuda_ssd.NS, 11
-    S = be.copy(rand((NC * H * per,), 70))
-    E = be.copy(mamba.asarray(array.array("f", [0.8 + 0.01 * i for i in range(NC * H)]),
-                              (NC * H,)))
-    h0 = rand((H * per,), 71)
-    desc = array.array("q", [0] * (NC * _cuda_ssd.DESC))
-    for c in range(NC):
-        desc[c * _cuda_ssd.DESC + 5] = c != 4
-    tables = be.copy(mamba.asarray(array.array("f", bytes(array.array("q", [0, NC])) +
-                                               bytes(desc)), (2 * (2 + len(desc)),)))
-    be._kernels("mb_ssd_chain_k", "mb_ssd_dchain_k")
-    out = []
-    for shift in (0, 1):
-        hbuf = be.copy(mamba.asarray(array.array("f", [0.0] * shift + floats(h0)),
-                                     (H * per + shift,)))
-        hck = be.new((NC * H * per,))
-        be._launch(be.stream().cu, "mb_ssd_chain_k", (4,), 256, 1, H, tables.ptr,
-                   tables.ptr + 16, E.ptr, S.ptr, hbuf.ptr + 4 * shift, hck.ptr)
-        out.append((raw(host(hbuf))[4 * shift:], raw(host(hck))))
-    assert out[0] == out[1]
-    assert out[0][0] != raw(h0)  # the pass moved h on
-    back = []
-    for shift in (0, 1):  # in place, dh = Sd
-        sd = be.copy(mamba.asarray(array.array("f", [0.0] * shift + floats(host(S))),
-                                   (NC * H * per + shift,)))
-        be._launch(be.stream().cu, "mb_ssd_dchain_k", (4,), 256, 1, H, tables.ptr, E.ptr,
-                   sd.ptr + 4 * shift, sd.ptr + 4 * shift)
-        back.append(raw(host(sd))[4 * shift:])
-    assert back[0] == back[1] != raw(host(S))
+def test_state_pass_over_many_chunks(be):
+    """Mamba-3's state passes over more chunks than one run of loads (9 of 64 tokens
+    in a row: SSD_CHAIN_RUN is 8), forward with a state and backward: the C
+    reference's bits."""
+    cpu, gpu = make("mamba3", backend="cpu"), make("mamba3", backend="cuda")
+    x = rand((1, 9 * 64 + 5, cpu.d_model), 90)
+    st_c, st_g = cpu.allocate_state(1), gpu.allocate_state(1)
+    assert raw(gpu.forward(x, st_g)) == raw(cpu.forward(x, st_c))
+    assert state_of(st_g) == state_of(st_c)
+    dy = rand((1, 9 * 64 + 5, cpu.d_model), 91)
+    got, want = gpu.backward(x, dy), cpu.backward(x, dy)
+    assert all(raw(got[k]) == raw(want[k]) for k in want)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -20,10 +20,10 @@
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
-MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss)
-{
-    return r[m] = mb_rsqrt(ss / (float)n + MB_EPS);
-}
+/* r of a row of n from its sum of squares ss (reference/norm.c) */
+MB_DEV float rms_r(float ss, int64_t n) { return mb_rsqrt(ss / (float)n + MB_EPS); }
+
+MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss) { return r[m] = rms_r(ss, n); }
 
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
  * rows of a quarter-warp's float4 reads fall in distinct banks), w staged with them

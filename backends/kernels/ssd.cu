@@ -49,124 +49,93 @@ MB_KERNEL void mb_ssd_store_k(int64_t B, const int64_t *st, int64_t Q, int64_t W
     }
 }
 
+/* The state passes take four consecutive elements of h a thread (float4): a bound
+ * on registers is a bound on loads in flight, and float4 loads carry four times the
+ * bytes. h, S and hck are pool allocations or a device state piece, which intake
+ * refuses unless 16-byte aligned (_intake.aligned). */
+MB_DEV float4 ssd_fma4(float e, float4 v, float4 s)
+{
+    float4 r;
+    r.x = fmaf(e, v.x, s.x);
+    r.y = fmaf(e, v.y, s.y);
+    r.z = fmaf(e, v.z, s.z);
+    r.w = fmaf(e, v.w, s.w);
+    return r;
+}
+
 /* The state pass, serial over each row's chunks [cbeg[b], cbeg[b + 1]): hck[c]
  * receives the state entering chunk c, and a folding chunk moves it on by
  * h = fma(E[c, h], h, S[c, h]) (E = exp(dA_cs_last), S the chunk's contraction).
- * h (B, H, HP, NS) ends as the state entering the last chunk's successor. A thread
- * takes W consecutive elements of h (4 when h, S and hck are 16-byte aligned, else
- * 1): a bound on registers is a bound on loads in flight, and float4 loads carry
- * four times the bytes. hck may be S itself, so each group of SSD_CHAIN_RUN chunks
- * is read before any of it is written, which also keeps that many loads in flight
- * per thread instead of one. */
+ * h (B, H, HP, NS) ends as the state entering the last chunk's successor. hck may
+ * be S itself, so each group of SSD_CHAIN_RUN chunks is read before any of it is
+ * written, which also keeps that many loads in flight per thread instead of one. */
 #define SSD_CHAIN_RUN 8
-
-/* W floats as one value (float or float4): zero, and fma(e, v, s) element by element */
-template <int W> struct ssd_vec;
-template <> struct ssd_vec<1> {
-    typedef float type;
-    MB_DEV float zero() { return 0.0f; }
-    MB_DEV float fma(float e, float v, float s) { return fmaf(e, v, s); }
-};
-template <> struct ssd_vec<4> {
-    typedef float4 type;
-    MB_DEV float4 zero()
-    {
-        float4 r;
-        r.x = r.y = r.z = r.w = 0.0f;
-        return r;
-    }
-    MB_DEV float4 fma(float e, float4 v, float4 s)
-    {
-        float4 r;
-        r.x = fmaf(e, v.x, s.x);
-        r.y = fmaf(e, v.y, s.y);
-        r.z = fmaf(e, v.z, s.z);
-        r.w = fmaf(e, v.w, s.w);
-        return r;
-    }
-};
-
-template <int W>
-MB_DEV void ssd_chain(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
-                      const float *E, const float *S, float *h, float *hck)
+MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
+                              const float *E, const float *S, float *h, float *hck)
 {
-    typedef typename ssd_vec<W>::type V;
+    MB_CHECK_ALIGNED16(h);
+    MB_CHECK_ALIGNED16(S);
+    MB_CHECK_ALIGNED16(hck);
+    const float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
     const int64_t per = SSD_HP * SSD_NS, cs = H * per; /* cs: a chunk's stride */
-    MB_GRID_LOOP(q, B * cs / W) {
-        const int64_t i = q * W, b = i / cs, hh = (i / per) % H, e = i % per, c1 = cbeg[b + 1];
-        V v = *(V *)(h + i);
+    MB_GRID_LOOP(q, B * cs / 4) {
+        const int64_t i = 4 * q, b = i / cs, hh = (i / per) % H, e = i % per, c1 = cbeg[b + 1];
+        float4 v = *(float4 *)(h + i);
         for (int64_t c0 = cbeg[b]; c0 < c1; c0 += SSD_CHAIN_RUN) {
-            V sv[SSD_CHAIN_RUN];
+            float4 sv[SSD_CHAIN_RUN];
             float ev[SSD_CHAIN_RUN];
             bool fold[SSD_CHAIN_RUN];
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t ch = (c0 + k) * H + hh;
                 fold[k] = c0 + k < c1 && desc[(c0 + k) * MB_DESC + 5] != 0;
-                sv[k] = fold[k] ? *(const V *)(S + ch * per + e) : ssd_vec<W>::zero();
+                sv[k] = fold[k] ? *(const float4 *)(S + ch * per + e) : zero;
                 ev[k] = fold[k] ? E[ch] : 0.0f;
             }
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
-                if (c0 + k < c1) *(V *)(hck + ((c0 + k) * H + hh) * per + e) = v;
-                if (fold[k]) v = ssd_vec<W>::fma(ev[k], v, sv[k]); /* fold is false past c1 */
+                if (c0 + k < c1) *(float4 *)(hck + ((c0 + k) * H + hh) * per + e) = v;
+                if (fold[k]) v = ssd_fma4(ev[k], v, sv[k]); /* fold is false past c1 */
             }
         }
-        *(V *)(h + i) = v;
+        *(float4 *)(h + i) = v;
     }
-}
-
-MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
-                              const float *E, const float *S, float *h, float *hck)
-{
-    if ((((uintptr_t)h | (uintptr_t)S | (uintptr_t)hck) & 15) == 0)
-        ssd_chain<4>(B, H, cbeg, desc, E, S, h, hck);
-    else
-        ssd_chain<1>(B, H, cbeg, desc, E, S, h, hck);
 }
 
 /* The backward's state pass: dh leaving each chunk (HP, NS) but a row's last,
  * serial over the row's chunks [cbeg[b], cbeg[b + 1]) in reverse: the last chunk
  * passes its own Sd back, every earlier chunk c receives it as dh[c] and passes
  * fma(E[c], dh[c], Sd[c]) on (not formed for the row's first chunk, which has no
- * predecessor). W elements a thread and loads run ahead as in mb_ssd_chain_k, and
- * dh may be Sd itself (each element is read before it is written). */
-template <int W>
-MB_DEV void ssd_dchain(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
-                       const float *Sd, float *dh)
+ * predecessor). Four elements a thread and loads run ahead as in mb_ssd_chain_k,
+ * and dh may be Sd itself (each element is read before it is written). */
+MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
+                               const float *Sd, float *dh)
 {
-    typedef typename ssd_vec<W>::type V;
+    MB_CHECK_ALIGNED16(Sd);
+    MB_CHECK_ALIGNED16(dh);
+    const float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
     const int64_t per = SSD_HP * SSD_NS;
-    MB_GRID_LOOP(q, B * H * per / W) {
-        const int64_t i = q * W, b = i / (H * per), hh = (i / per) % H, e = i % per;
+    MB_GRID_LOOP(q, B * H * per / 4) {
+        const int64_t i = 4 * q, b = i / (H * per), hh = (i / per) % H, e = i % per;
         const int64_t c0 = cbeg[b], last = cbeg[b + 1] - 1;
-        V v = *(const V *)(Sd + (last * H + hh) * per + e);
+        float4 v = *(const float4 *)(Sd + (last * H + hh) * per + e);
         for (int64_t ct = last - 1; ct >= c0; ct -= SSD_CHAIN_RUN) {
-            V sv[SSD_CHAIN_RUN];
+            float4 sv[SSD_CHAIN_RUN];
             float ev[SSD_CHAIN_RUN];
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t c = ct - k, ch = c * H + hh;
-                sv[k] = c > c0 ? *(const V *)(Sd + ch * per + e) : ssd_vec<W>::zero();
+                sv[k] = c > c0 ? *(const float4 *)(Sd + ch * per + e) : zero;
                 ev[k] = c > c0 ? E[ch] : 0.0f;
             }
 #pragma unroll
             for (int k = 0; k < SSD_CHAIN_RUN; k++) {
                 const int64_t c = ct - k;
-                if (c >= c0) *(V *)(dh + (c * H + hh) * per + e) = v;
-                if (c > c0) v = ssd_vec<W>::fma(ev[k], v, sv[k]);
+                if (c >= c0) *(float4 *)(dh + (c * H + hh) * per + e) = v;
+                if (c > c0) v = ssd_fma4(ev[k], v, sv[k]);
             }
         }
     }
-}
-
-MB_KERNEL void mb_ssd_dchain_k(int64_t B, int64_t H, const int64_t *cbeg, const float *E,
-                               const float *Sd, float *dh)
-{
-    if ((((uintptr_t)Sd | (uintptr_t)dh) & 15) == 0)
-        ssd_dchain<4>(B, H, cbeg, E, Sd, dh);
-    else
-        ssd_dchain<1>(B, H, cbeg, E, Sd, dh);
 }
 
 /* New rows into ext: ext row eoff[b] + t0[b] + t takes packed row off[b] + t of

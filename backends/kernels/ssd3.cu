@@ -172,6 +172,17 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
     }
 }
 
+/* scale_j = dt_j * sig_j + beta, beta = dt_{j+1} * (1 - sig_{j+1}) from the next ext
+ * row, or +0 for the last row of a chunk that does not fold (the report). */
+MB_DEV float m3_beta(float dt, float sig) { return dt * (1.0f - sig); }
+
+MB_DEV float m3_scale_of(float dt, float sig, float beta) { return dt * sig + beta; }
+
+MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, bool next)
+{
+    return m3_scale_of(DT[e], SIG[e], next ? m3_beta(DT[e + H], SIG[e + H]) : 0.0f);
+}
+
 /* h (B, H, HP, NS) += (v * k) * (dt_1 * (1 - sig_1)), dt_1 and sig_1 of each row's
  * first token (ext row eoff[b]). */
 MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const float *DT,
@@ -182,19 +193,9 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
     MB_GRID_LOOP(i, B * H * per) {
         const int64_t bh = i / per, b = bh / H, hh = bh % H, p = (i % per) / SSD_NS, m = i % SSD_NS;
         const int64_t e = eoff[b] * H + hh;
-        const float w1 = DT[e] * (1.0f - SIG[e]);
+        const float w1 = m3_beta(DT[e], SIG[e]);
         h[i] = h[i] + (pv[bh * SSD_HP + p] * pk[bh * SSD_NS + m]) * w1;
     }
-}
-
-/* scale_j = dt_j * sig_j + beta, beta = dt_{j+1} * (1 - sig_{j+1}) from the next ext
- * row, or +0 for the last row of a chunk that does not fold (the report). */
-MB_DEV float m3_beta(float dt, float sig) { return dt * (1.0f - sig); }
-
-MB_DEV float m3_scale(const float *DT, const float *SIG, int64_t H, int64_t e, bool next)
-{
-    const float beta = next ? m3_beta(DT[e + H], SIG[e + H]) : 0.0f;
-    return DT[e] * SIG[e] + beta;
 }
 
 /* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale

@@ -151,8 +151,8 @@ mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *
  * step t in half t % 2 (the blocks of a head read the row before while one writes
  * theirs): each step adds dA[t] to the columns of the row before (the same chain),
  * or, when ctl[1] asks, walks it again. A chunk that folds then moves the block's
- * columns of h on, h = fma(E, h, S) as mb_m2_fold_k and mb_ssd_chain_k do. The row leaves gated
- * by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
+ * columns of h on, h = fma(E, h, S) as mb_m2_fold_k and mb_ssd_chain_k do. The row
+ * leaves gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
 MB_KERNEL void MB_BOUNDS(STEP_Q2)
 mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
                const float *U, const float *dt, const float *dA, const float *cs, const float *D,
@@ -310,9 +310,7 @@ mb_m3_step_front_k(int64_t H, int64_t di, int64_t dip, const float *zx, const fl
             for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
             if (lane == 0) rr[wp] = rsqrtf(s / (float)SSD_NS + MB_EPS);
         } else if (lane == 0) {
-            float acc = 0.0f;
-            for (int m = 0; m < SSD_NS; m++) acc = fmaf(x[m], x[m], acc);
-            rr[wp] = mb_rsqrt(acc / (float)SSD_NS + MB_EPS);
+            rr[wp] = rms_r(mb_chain_tile<true>(0.0f, x, x, SSD_NS), SSD_NS);
         }
     }
     __syncthreads();
@@ -370,7 +368,7 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
     const int tid = threadIdx.x;
     float *hs = h + bh * per, *sg = seg + bh * (M3Q + 1);
     if (pk) {
-        const float w1 = dtn[bh] * (1.0f - sgn[bh]);
+        const float w1 = m3_beta(dtn[bh], sgn[bh]);
         for (int e = tid; e < per; e += STEP_Y3)
             hs[e] = hs[e] + (pv[bh * SSD_HP + e / SSD_NS] * pk[bh * SSD_NS + e % SSD_NS]) * w1;
         __syncthreads(); /* pk and pv are read */
@@ -389,7 +387,8 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
     auto scale = [&](int64_t j, int64_t end) {
         const int64_t e = at(j);
         const bool nw = j + 1 == end;
-        return bdt[e] * bsg[e] + m3_beta(nw ? dtn[bh] : bdt[e + H], nw ? sgn[bh] : bsg[e + H]);
+        const float beta = m3_beta(nw ? dtn[bh] : bdt[e + H], nw ? sgn[bh] : bsg[e + H]);
+        return m3_scale_of(bdt[e], bsg[e], beta);
     };
     auto adt = [&](int64_t i) { return i == w ? adn[bh] : bad[at(i)]; };
     if (seal) {

@@ -27,10 +27,10 @@
 /* Asynchronous global -> shared copies (cp.async on sm_80+), so a block keeps
  * several stages of a tile in flight while it computes on an earlier one. A copy of
  * src_bytes < size zero-fills the rest and reads only src_bytes. HIP copies at once. */
-#if defined(__HIPCC__)
-#ifndef MB_CHECK_ALIGNED16 /* the emulation's check (tests/emu/builtins.h) */
+#ifndef MB_CHECK_ALIGNED16 /* p is 16-byte aligned: the emulation checks (tests/emu) */
 #define MB_CHECK_ALIGNED16(p)
 #endif
+#if defined(__HIPCC__)
 MB_DEV void mb_cp_async16(float *dst, const float *src, int src_bytes)
 {
     MB_CHECK_ALIGNED16(dst);
