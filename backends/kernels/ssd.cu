@@ -70,8 +70,9 @@ MB_DEV float4 ssd_fma4(float e, float4 v, float4 s)
  * be S itself, so each group of SSD_CHAIN_RUN chunks is read before any of it is
  * written, which also keeps that many loads in flight per thread instead of one. */
 #define SSD_CHAIN_RUN 8
-MB_KERNEL void mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc,
-                              const float *E, const float *S, float *h, float *hck)
+MB_KERNEL void MB_BOUNDS_MIN(256, 2) /* 68 registers; unbounded, ptxas takes 134 */
+mb_ssd_chain_k(int64_t B, int64_t H, const int64_t *cbeg, const int64_t *desc, const float *E,
+               const float *S, float *h, float *hck)
 {
     MB_CHECK_ALIGNED16(h);
     MB_CHECK_ALIGNED16(S);
