@@ -67,9 +67,9 @@ WAITS = frozenset((
     "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
     "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
     "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
-    "mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k",
+    "mb_m2_step_cb_k", "mb_m2_step_y_k",
     "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_fold_k", "mb_m3_pending_k",
-    "mb_m3_step_front_k", "mb_m3_step_k"))
+    "mb_m3_step_k"))
 NONE = 0xFFFFFFFFFFFFFFFF  # the guard word of a session with no refused step
 LEGACY, PER_THREAD = 1, 2  # stream numbers of the DLPack and array-interface protocols
 

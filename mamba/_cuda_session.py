@@ -25,7 +25,6 @@ from ._cuda_ssd import FOLD_THREADS, HP, M2_Q, M3_Q, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
 STEP_CB, STEP_CBT = 32, 128  # ssd_step.cu: rows per block of mb_m2_step_cb_k, threads
-STEP_FRONT_THREADS = 256  # ssd_step.cu STEP_F3
 # A step of at most this many rows launches its kernels as programmatic dependents
 # (_cuda.WAITS): its grids are one wave, and each kernel's start hides behind the
 # one before (H200, batch 1: 3-4 us a step). With 32 rows the grids span waves and
@@ -65,6 +64,14 @@ class _GraphSession:
         m = _Mem(self.be, 4 * n)
         self._keep.append(m)
         return m.ptr
+
+    def counters(self, n):
+        """n zeroed 32-bit counters the session keeps (a kernel's last-block count;
+        the last block sets its counter back to 0)."""
+        p = self.alloc(n)
+        self.be._ck(self.be.cu.cuMemsetD8Async(p, 0, 4 * n, self.be.stream().cu),
+                    "cuMemsetD8Async")
+        return p
 
     def arena(self, n):
         """An allocator for launchers that take one (CudaBackend._front and friends)
@@ -290,7 +297,7 @@ class M2Session(_SsdSession):
     of its output row, from one step to the next and computes only what the new row
     adds; they are rebuilt at the first step after the session opens and after each
     sync_state or load_state (ctl[1])."""
-    KERNELS = ("mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_step_close_k", "mb_m2_fold_k")
+    KERNELS = ("mb_m2_step_cb_k", "mb_m2_step_y_k", "mb_m2_fold_k")
 
     @staticmethod
     def advance(count, n):
@@ -314,7 +321,8 @@ class M2Session(_SsdSession):
         self.dt, dA, self.cs = (a(B * H * M2_Q) for _ in range(3))
         seg = a(2 * B * H * M2_Q)  # the rows of even and odd steps
         G, Yo = a(B * M2_Q), a(B * H * HP)  # the step's dots with C_t
-        scal, desc, self.rep = a(6), a(12 * B), a(12 * B)
+        scal, desc, self.rep = a(8), a(12 * B), a(12 * B)
+        done = self.counters(B)
         g, L = self.guard.ptr, be._launch
         sc = self.front_arena(NP)
 
@@ -326,15 +334,11 @@ class M2Session(_SsdSession):
               _cuda_ssd._bits(lo), _cuda_ssd._bits(hi), g, self.ctl, bx, bd,
               self.dt, dA, self.cs, scal, desc, self.rep, h, G, Yo)
             L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q,
-              desc, H, di, CD, self.ctl, bx, self.dt, dA, self.cs, D, zx, NP, G, Yo, h,
-              seg, yg)
+              desc, H, di, CD, scal, self.ctl, done, bx, bd, self.dt, dA, self.cs, D, zx, NP,
+              G, Yo, h, seg, yg)
             be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
                      g)
-            # the folded chunk's zeros wait for every reader of the buffers; the grid
-            # is a step's, the rare fold loops
-            L(cs, "mb_m2_step_close_k", (be._grid(B * (CD + H)),), THREADS,
-              B, H, CD, scal, self.ctl, bx, bd)
         self.exec = self.capture(body)
 
     def _reports(self):
@@ -350,16 +354,16 @@ class M2Session(_SsdSession):
 
 
 class M3Session(_SsdSession):
-    """Mamba-3 (_cuda_ssd._m3_forward at L = 1) in two kernels after in_proj
-    (ssd_step.cu): mb_m3_step_front_k plans the step and computes the new token's
-    rows (B and C norms, prep, angle and rotation), mb_m3_step_k folds a sealed chunk
-    into h, gives the output row (carrying the seg columns and the cumsum between
-    steps as Mamba-2's does) and places the new row in the working chunk. A step that
-    consumes Input_States (the state's pending flag) runs a second graph whose step
-    kernel adds them first; its x is checked before the launch, so that it is never
-    refused."""
+    """Mamba-3 (_cuda_ssd._m3_forward at L = 1) in one kernel after in_proj
+    (ssd_step.cu mb_m3_step_k, a block per head and row): it plans the step, computes
+    its head's rows of the new token (B and C norms, prep, angle and rotation), folds
+    a sealed chunk into h, gives the output row (carrying the seg columns and the
+    cumsum between steps as Mamba-2's does) and places the new row in the working
+    chunk. A step that consumes Input_States (the state's pending flag) runs a second
+    graph whose step kernel adds them first; its x is checked before the launch, so
+    that it is never refused."""
     SCALARS = ("buffered_tokens", "pending")
-    KERNELS = ("mb_m3_step_front_k", "mb_m3_step_k", "mb_m3_fold_k", "mb_m3_last_k")
+    KERNELS = ("mb_m3_step_k", "mb_m3_fold_k", "mb_m3_last_k")
 
     @staticmethod
     def advance(count, n):
@@ -378,22 +382,16 @@ class M3Session(_SsdSession):
         I = self.scratch()
         nparts = max(be._parts(B, NP, dm), be._parts(B, dm, di))
         parts = a(nparts) if nparts else 0
-        # the new token's rows
-        qn, kn = a(B * H * NS), a(B * H * NS)
-        dtn, sgn, adn, qgn = a(B * H), a(B * H), a(B * H), a(B * H)
-        yg, seg, scal = a(B * di), a(B * H * (M3_Q + 1)), a(4)
+        yg, seg, done = a(B * di), a(B * H * (M3_Q + 1)), self.counters(1)
         self.rep, self.last_row = a(12 * B), a(2 * B)
         g, L = self.guard.ptr, be._launch
 
         def body(cs, sc, pending):
             xd, xn, zx = be._front(cs, sc, B, 1, None, I, self.x, dm, norm_w, in_proj, NP, parts,
                                    fast)
-            L(cs, "mb_m3_step_front_k", (B,), STEP_FRONT_THREADS, H, di, NP, zx, Bn_w, Cn_w,
-              dt_bias, B_bias, C_bias, int(fast), g, self.ctl, scal, self.rep, self.last_row,
-              theta, dtn, sgn, adn, qgn, qn, kn)
-            L(cs, "mb_m3_step_k", (H, B), M3_Q + HP, scal, self.ctl, H, di, NP, zx, qn, kn, dtn,
-              sgn, adn, qgn, D, *((pk, pv) if pending else (0, 0)), bq, bk, bv, bdt, bsg, bad,
-              h, seg, yg)
+            L(cs, "mb_m3_step_k", (H, B), M3_Q + HP, H, di, NP, zx, Bn_w, Cn_w, dt_bias, B_bias,
+              C_bias, D, int(fast), g, self.ctl, done, self.rep, self.last_row, theta,
+              *((pk, pv) if pending else (0, 0)), bq, bk, bv, bdt, bsg, bad, h, seg, yg)
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
                      g)
         self._body, self.NP = body, NP

@@ -54,7 +54,8 @@ MB_DEV void step_desc(int64_t *d, int64_t b, int64_t e0, int64_t n, int64_t r0, 
 }
 
 /* Mamba-2, the step's first kernel after in_proj and the conv. t = ctl[0] rows are
- * buffered. Block 0 writes the tables: scal = (count after the step, fold, refused),
+ * buffered. Block 0 writes the tables: scal = (count after the step, fold, refused,
+ * whole: ctl[1], so that mb_m2_step_y_k may move ctl on),
  * desc = one chunk per row (rows [0, n) at ext row b * 256, output row t, folding
  * when it fills the chunk), rep = the h_last report's chunk (the open rows after the
  * step). The grid shares the new row's writes: u (the conv's output, B x CD) and the
@@ -92,6 +93,7 @@ mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *
             scal[0] = n % STEP_Q2;
             scal[1] = fold;
             scal[2] = refused;
+            scal[3] = ctl[1];
         }
     }
     const float lo = __int_as_float((int)lo_bits), hi = __int_as_float((int)hi_bits);
@@ -150,26 +152,37 @@ mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *
  * dA[j+1..t] from +0, is carried between steps in seg (2, B * H, 256), the row of
  * step t in half t % 2 (the blocks of a head read the row before while one writes
  * theirs): each step adds dA[t] to the columns of the row before (the same chain),
- * or, when ctl[1] asks, walks it again. A chunk that folds then moves the block's
- * columns of h on, h = fma(E, h, S) as mb_m2_fold_k and mb_ssd_chain_k do. The row
- * leaves gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. */
+ * or, when the plan says whole, walks it again. A chunk that folds then moves the
+ * block's columns of h on, h = fma(E, h, S) as mb_m2_fold_k and mb_ssd_chain_k do,
+ * and leaves zeros in the buffers (as _Plan's store does): each block its own
+ * columns of x, the last block of a row to finish (done: a counter per row, back to
+ * 0 after) the B and C columns every block reads, and the raw dt. The row leaves
+ * gated by silu(z) (z: the row of zx, NP apart), as mb_m2_y_k gates it. Block 0
+ * moves ctl on: mb_m2_step_cb_k, its only reader, is complete. */
 MB_KERNEL void MB_BOUNDS(STEP_Q2)
-mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *ctl,
-               const float *U, const float *dt, const float *dA, const float *cs, const float *D,
-               const float *zx, int64_t NP, const float *G,
-               const float *Yo, float *h, float *seg, float *yb)
+mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int64_t *scal,
+               int64_t *ctl, unsigned *done, float *U, float *bd, const float *dt,
+               const float *dA, const float *cs, const float *D, const float *zx, int64_t NP,
+               const float *G, const float *Yo, float *h, float *seg, float *yb)
 {
     MB_GRID_WAIT();
     __shared__ __align__(16) float Xs[STEP_Q2][STEP_PC];
     __shared__ float Mt[STEP_Q2], dts[STEP_Q2];
+    __shared__ bool last_block;
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, *d = desc + b * MB_DESC;
+    const int tid = threadIdx.x;
+    if (hh == 0 && b == 0 && blockIdx.z == 0 && tid == 0) {
+        ctl[0] = scal[0];
+        if (!scal[2]) ctl[1] = 0;
+    }
     /* every global read is issued as early as its address is known: the step
      * waits on memory as few times as it can */
-    const int64_t e0 = d[1], n = d[2], t = d[3], whole = ctl[1];
+    const int64_t e0 = d[1], n = d[2], t = d[3], whole = scal[3];
     if (t >= n) return; /* refused: no row, the columns kept */
-    const int tid = threadIdx.x, p0 = blockIdx.z * STEP_PC;
+    const int p0 = blockIdx.z * STEP_PC;
     const int64_t c0 = hh * SSD_HP + p0, c = c0 + tid; /* the block's first column, the thread's */
-    const float *u = U + e0 * CD, *dAc = dA + bh * STEP_Q2;
+    float *u = U + e0 * CD;
+    const float *dAc = dA + bh * STEP_Q2;
     for (int e = tid; e < (t + 1) * (STEP_PC / 4); e += STEP_Q2) {
         const int j = e / (STEP_PC / 4), cc = e % (STEP_PC / 4) * 4;
         mb_cp_async16(&Xs[j][cc], u + j * CD + c0 + cc, 16);
@@ -238,69 +251,97 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
             const int64_t e = (p0 + q0 + q) * SSD_NS + m0 + r;
             hs[e] = fmaf(ex, hs[e], acc[r][q]);
         }
-}
-
-/* Mamba-2, the step's last kernel: a chunk that folded leaves zeros in the buffers
- * (as _Plan's store does); ctl moves on to the count after the step, and the
- * carried columns are whole again unless the step was refused. */
-MB_KERNEL void mb_m2_step_close_k(int64_t B, int64_t H, int64_t CD, const int64_t *scal,
-                                  int64_t *ctl, float *bx, float *bd)
-{
-    MB_GRID_WAIT();
-    if (scal[1]) {
-        MB_GRID_LOOP(i, B * STEP_Q2 * (CD + H)) {
-            if (i < B * STEP_Q2 * CD)
-                bx[i] = 0.0f;
-            else
-                bd[i - B * STEP_Q2 * CD] = 0.0f;
-        }
-    }
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        ctl[0] = scal[0];
-        if (!scal[2]) ctl[1] = 0;
-    }
-}
-
-#define STEP_F3 256 /* threads of mb_m3_step_front_k */
-
-/* Mamba-3, a step's front after in_proj (rows zx, dip apart), block b for row b. The
- * plan: t = ctl[0] in [0, 64] rows of the working chunk are buffered; the new token
- * goes to row w = t or, when t = 64, seals the chunk (which folds with the new
- * token's beta) and becomes row 0 of the next. Block 0 writes scal = (seal, w,
- * refused, whole: the carried columns are to be walked again, ctl[1]); each block its
- * row's rep and last, the reports' chunk and row (the working chunk after the step).
- * Then, unless refused, the new token's B and C RMSNorms (reference/norm.c's chain;
- * fast: a warp's shuffle sum), m3_prep_one of every head and angle into the new rows
- * (dtn, sgn, adn, qgn; the angles' tanh in shared memory) and each (head, angle)'s
- * angle step and rotation (m3_angle, m3_rotate_token) into theta, qn and kn. */
-MB_KERNEL void MB_BOUNDS(STEP_F3)
-mb_m3_step_front_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *Bn_w,
-                   const float *Cn_w, const float *dt_bias, const float *B_bias,
-                   const float *C_bias, int64_t fast, const unsigned long long *guard,
-                   const int64_t *ctl, int64_t *scal, int64_t *rep, int64_t *last, float *theta,
-                   float *dtn, float *sgn, float *adn, float *qgn, float *qn, float *kn)
-{
-    MB_GRID_WAIT();
-    __shared__ __align__(16) float bc[2][SSD_NS]; /* B and C, raw, then normed */
-    __shared__ float rr[2], ta[M3A];
-    const int tid = threadIdx.x, lane = tid % 32, wp = tid / 32;
-    const int64_t b = blockIdx.x, t = ctl[0];
-    const bool refused = mb_refused(guard);
-    const int64_t w = t == M3Q ? 0 : t, after = refused ? t : t % M3Q + 1;
-    const int64_t nrep = after > 0 ? after : 1;
+    /* the block's reads of the buffers are behind the last barrier */
+    const float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int e = tid; e < STEP_Q2 * (STEP_PC / 4); e += STEP_Q2)
+        *(float4 *)(u + e / (STEP_PC / 4) * CD + c0 + e % (STEP_PC / 4) * 4) = zero;
     if (tid == 0) {
-        step_desc(rep + b * MB_DESC, b, b * M3Q, nrep, 0, 0);
-        last[b] = b * M3Q + nrep - 1;
-        if (b == 0) {
-            scal[0] = !refused && t == M3Q;
-            scal[1] = w;
-            scal[2] = refused;
-            scal[3] = ctl[1];
+        __threadfence();
+        last_block = atomicAdd(done + b, 1u) == gridDim.x * gridDim.z - 1;
+        if (last_block) done[b] = 0;
+    }
+    __syncthreads();
+    if (!last_block) return;
+    constexpr int BC = 2 * SSD_NS / 4; /* float4s of a row's B and C */
+    for (int e = tid; e < STEP_Q2 * BC; e += STEP_Q2)
+        *(float4 *)(u + e / BC * CD + di + e % BC * 4) = zero;
+    for (int64_t e = tid; e < STEP_Q2 * H / 4; e += STEP_Q2)
+        *(float4 *)(bd + b * STEP_Q2 * H + 4 * e) = zero;
+}
+
+#define STEP_Y3 (M3Q + SSD_HP) /* threads of mb_m3_step_k: one per column j, then per p */
+
+/* Mamba-3, a step after in_proj (rows zx, dip apart), block (head hh, row b). In
+ * order:
+ * - The plan: t = ctl[0] in [0, 64] rows of the working chunk are buffered; the
+ *   new token goes to row w = t or, when t = 64, seals the chunk (which folds with
+ *   the new token's beta) and becomes row 0 of the next; whole (ctl[1]): the
+ *   carried columns are to be walked again. Block (0, b) writes its row's rep and
+ *   last, the reports' chunk and row (the working chunk after the step). Each block
+ *   counts itself in done once it has read ctl; the last moves ctl on (unless the
+ *   step was refused) and sets done back to 0. Nothing else when refused.
+ * - The new token's rows of the block's head, in shared memory: the B and C RMSNorms
+ *   (reference/norm.c's chain; fast: a warp's shuffle sum), m3_prep_one of the head
+ *   and of every angle (the angles' tanh), then the head's angle steps and rotation
+ *   (m3_angle into theta, m3_rotate_token into q and k).
+ * - Input_States (pk given): h += (v * k) * (dt_1 * (1 - sig_1)), the new token's
+ *   dt and sig, then pk and pv are zeroed (such a step's x is checked before the
+ *   launch: it is never refused).
+ * - At a seal, the full chunk folds into h as mb_m3_fold_k and mb_ssd_chain_k do
+ *   (the new token's beta completes its last row's trapezoid): h = fma(exp(cs_last),
+ *   h, S), h then being the state entering the new chunk.
+ * - The output row w of the chunk holding the new token, mb_m3_y_k's row i = w (G,
+ *   M, ys, yi, the D and qk_gamma term and the gate in its expressions and orders):
+ *   thread j < w computes column j of M, thread M3Q + p the ys of column p, each
+ *   from its row (of K, of h) held in registers, loaded with the staging of V's rows
+ *   u <= w, so that the step waits on global memory once; thread p then walks yi's
+ *   chain. seg[w][j] of the columns j < w (the serial sum of A*dt[j+1..w] from +0)
+ *   and the cumsum cs_w are carried between steps in seg (B * H, 65; cs in the last
+ *   slot): each step adds A*dt[w] to the row before's, or walks them again when the
+ *   plan says whole (or a chunk starts).
+ * - Last, the new row into the buffers' row w; at a seal, row 0 and zeros after it
+ *   (as _Plan's store). */
+MB_KERNEL void MB_BOUNDS(STEP_Y3)
+mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *Bn_w,
+             const float *Cn_w, const float *dt_bias, const float *B_bias, const float *C_bias,
+             const float *D, int64_t fast, const unsigned long long *guard, int64_t *ctl,
+             unsigned *done, int64_t *rep, int64_t *last, float *theta, float *pk, float *pv,
+             float *bq, float *bk, float *bv, float *bdt, float *bsg, float *bad, float *h,
+             float *seg, float *yg)
+{
+    MB_GRID_WAIT();
+    __shared__ __align__(16) float Vt[M3Q][SSD_HP], bc[2][SSD_NS]; /* B and C, raw, then normed */
+    __shared__ __align__(16) float qs[SSD_NS], ks[SSD_NS], fA[SSD_FJ][SSD_NS], fB[SSD_FJ][SSD_HP];
+    __shared__ float Mt[M3Q + 1], Ys[SSD_HP], cs[M3Q], sc[M3Q], dec[M3Q];
+    __shared__ float rr[2], ta[M3A], nt[4]; /* nt: the new token's dt, sig, A*dt, qk gamma */
+    __shared__ int64_t plan[2];
+    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
+    const int tid = threadIdx.x, lane = tid % 32, wp = tid / 32;
+    if (tid == 0) {
+        plan[0] = ctl[0];
+        plan[1] = ctl[1];
+    }
+    __syncthreads();
+    const int64_t t = plan[0], whole = plan[1], e0 = b * M3Q;
+    const bool refused = mb_refused(guard), seal = !refused && t == M3Q;
+    const int64_t w = t == M3Q ? 0 : t;
+    if (tid == STEP_Y3 - 1) { /* a thread the norms and prep leave idle */
+        if (hh == 0) {
+            const int64_t after = refused ? t : t % M3Q + 1, nrep = after > 0 ? after : 1;
+            step_desc(rep + b * MB_DESC, b, e0, nrep, 0, 0);
+            last[b] = e0 + nrep - 1;
+        }
+        if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
+            *done = 0;
+            if (!refused) {
+                ctl[0] = w + 1;
+                ctl[1] = 0;
+            }
         }
     }
     if (refused) return;
     const float *row = zx + b * dip;
-    for (int i = tid; i < 2 * SSD_NS; i += STEP_F3) bc[i / SSD_NS][i % SSD_NS] = row[2 * di + i];
+    for (int i = tid; i < 2 * SSD_NS; i += STEP_Y3) bc[i / SSD_NS][i % SSD_NS] = row[2 * di + i];
     __syncthreads();
     if (wp < 2) {
         const float *x = bc[wp];
@@ -314,83 +355,42 @@ mb_m3_step_front_k(int64_t H, int64_t di, int64_t dip, const float *zx, const fl
         }
     }
     __syncthreads();
-    for (int i = tid; i < 2 * SSD_NS; i += STEP_F3) {
+    for (int i = tid; i < 2 * SSD_NS; i += STEP_Y3) {
         const int q = i / SSD_NS, m = i % SSD_NS;
         bc[q][m] = (bc[q][m] * rr[q]) * (q ? Cn_w : Bn_w)[m];
     }
     __syncthreads();
-    for (int64_t j = tid; j < H + M3A; j += STEP_F3)
-        m3_prep_one(row, j, H, di, dt_bias, bc[1], bc[0], B_bias, C_bias, b * H, dtn, sgn, adn,
-                    qgn, ta);
+    /* e = -hh puts the head's values in nt's slots */
+    if (tid <= M3A)
+        m3_prep_one(row, tid ? H + tid - 1 : hh, H, di, dt_bias, bc[1], bc[0], B_bias, C_bias, -hh,
+                    nt, nt + 1, nt + 2, nt + 3, ta);
     __syncthreads(); /* dt and the angles' tanh are written */
-    for (int64_t i = tid; i < H * M3A; i += STEP_F3) {
-        const int64_t h = i / M3A, r = i % M3A, e = b * H + h, at = e * M3A + r;
-        const float th = m3_angle(theta[at], ta[r], dtn[e]);
+    if (tid < M3A) {
+        const int64_t at = bh * M3A + tid;
+        const float th = m3_angle(theta[at], ta[tid], nt[0]);
         theta[at] = th;
-        m3_rotate_token(th, h, 0, e, r, bc[0], bc[1], B_bias, C_bias, qn, kn, NULL);
+        m3_rotate_token(th, hh, 0, 0, tid, bc[0], bc[1], B_bias, C_bias, qs, ks, NULL);
     }
-}
-
-#define STEP_Y3 (M3Q + SSD_HP) /* threads of mb_m3_step_k: one per column j, then per p */
-
-/* Mamba-3, the step after the front, block (head hh, row b); the new token's rows are
- * the front's (qn, kn, dtn, sgn, adn, qg) and v, read from in_proj's rows (x at
- * column di). In order:
- * - Input_States (pk given): h += (v * k) * (dt_1 * (1 - sig_1)), the new token's dt
- *   and sig, then pk and pv are zeroed; done even when the step was refused (it
- *   never is: its x is checked before the launch). Nothing else when refused.
- * - At a seal, the full chunk folds into h as mb_m3_fold_k and mb_ssd_chain_k do
- *   (the new token's beta completes its last row's trapezoid): h = fma(exp(cs_last),
- *   h, S), h then being the state entering the new chunk.
- * - The output row w of the chunk holding the new token, mb_m3_y_k's row i = w (G,
- *   M, ys, yi, the D and qk_gamma term and the gate in its expressions and orders):
- *   thread j < w computes column j of M, thread M3Q + p the ys of column p, each
- *   from its row (of K, of h) held in registers, loaded with the staging of q and of
- *   V's rows u <= w, so that the step waits on global memory once; thread p then
- *   walks yi's chain. seg[w][j] of the columns j < w (the serial sum of A*dt[j+1..w]
- *   from +0) and the cumsum cs_w are carried between steps in seg (B * H, 65; cs in
- *   the last slot): each step adds A*dt[w] to the row before's, or walks them again
- *   when the plan says whole (or a chunk starts).
- * - Last, the new row into the buffers' row w; at a seal, row 0 and zeros after it
- *   (as _Plan's store). Row 0 of the grid moves ctl on. */
-MB_KERNEL void MB_BOUNDS(STEP_Y3)
-mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t dip,
-             const float *zx, const float *qn, const float *kn, const float *dtn,
-             const float *sgn, const float *adn, const float *qg, const float *D, float *pk,
-             float *pv, float *bq, float *bk, float *bv, float *bdt, float *bsg, float *bad,
-             float *h, float *seg, float *yg)
-{
-    MB_GRID_WAIT();
-    __shared__ __align__(16) float Vt[M3Q][SSD_HP];
-    __shared__ __align__(16) float qs[SSD_NS], fA[SSD_FJ][SSD_NS], fB[SSD_FJ][SSD_HP];
-    __shared__ float Mt[M3Q + 1], Ys[SSD_HP], cs[M3Q], sc[M3Q], dec[M3Q];
-    const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
-    const int tid = threadIdx.x;
+    __syncthreads(); /* q and k are written */
     float *hs = h + bh * per, *sg = seg + bh * (M3Q + 1);
     if (pk) {
-        const float w1 = m3_beta(dtn[bh], sgn[bh]);
+        const float w1 = m3_beta(nt[0], nt[1]);
         for (int e = tid; e < per; e += STEP_Y3)
             hs[e] = hs[e] + (pv[bh * SSD_HP + e / SSD_NS] * pk[bh * SSD_NS + e % SSD_NS]) * w1;
         __syncthreads(); /* pk and pv are read */
         for (int e = tid; e < SSD_NS + SSD_HP; e += STEP_Y3)
             (e < SSD_NS ? pk[bh * SSD_NS + e] : pv[bh * SSD_HP + e - SSD_NS]) = 0.0f;
     }
-    if (scal[2]) return;
-    const int64_t seal = scal[0], w = scal[1], whole = scal[3], e0 = b * M3Q;
-    if (b == 0 && hh == 0 && tid == 0) {
-        ctl[0] = w + 1;
-        ctl[1] = 0;
-    }
-    const float *vn = zx + b * dip + di + hh * SSD_HP;
+    const float *vn = row + di + hh * SSD_HP;
     auto at = [&](int64_t j) { return (e0 + j) * H + hh; }; /* buffer row j's index */
     /* the scale of row j < end, whose next row is the new token's when j + 1 = end */
     auto scale = [&](int64_t j, int64_t end) {
         const int64_t e = at(j);
         const bool nw = j + 1 == end;
-        const float beta = m3_beta(nw ? dtn[bh] : bdt[e + H], nw ? sgn[bh] : bsg[e + H]);
+        const float beta = m3_beta(nw ? nt[0] : bdt[e + H], nw ? nt[1] : bsg[e + H]);
         return m3_scale_of(bdt[e], bsg[e], beta);
     };
-    auto adt = [&](int64_t i) { return i == w ? adn[bh] : bad[at(i)]; };
+    auto adt = [&](int64_t i) { return i == w ? nt[2] : bad[at(i)]; };
     if (seal) {
         m3_fold<STEP_Y3>(
             M3Q, [&](int64_t j) { return bad[at(j)]; }, [&](int64_t j) { return scale(j, M3Q); },
@@ -402,22 +402,20 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
     }
     float dq = 0.0f, z = 0.0f; /* the row's epilogue operands */
     if (tid < SSD_HP) {
-        dq = D[hh] + qg[bh];
-        z = zx[b * dip + hh * SSD_HP + tid];
+        dq = D[hh] + nt[3];
+        z = row[hh * SSD_HP + tid];
     }
     /* every global read is issued as early as its address is known */
-    for (int m = tid; m < SSD_NS / 4; m += STEP_Y3)
-        mb_cp_async16(qs + 4 * m, qn + bh * SSD_NS + 4 * m, 16);
     for (int e = tid; e < w * (SSD_HP / 4); e += STEP_Y3) {
         const int u = e / (SSD_HP / 4), c = e % (SSD_HP / 4) * 4;
         mb_cp_async16(&Vt[u][c], bv + at(u) * SSD_HP + c, 16);
     }
     mb_cp_commit();
     if (tid < SSD_HP) Vt[w][tid] = vn[tid]; /* in_proj's rows need not be 16-byte aligned */
-    float4 row[SSD_NS / 4];
+    float4 row4[SSD_NS / 4];
     float s = 0.0f, scj = 0.0f;
     if (tid < w) {
-        step_row(row, bk + at(tid) * SSD_NS);
+        step_row(row4, bk + at(tid) * SSD_NS);
         scj = scale(tid, w);
         if (whole || tid == w - 1)
             for (int64_t i = tid + 1; i <= w; i++) s = s + adt(i);
@@ -433,14 +431,14 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
         sg[M3Q] = c;
         Mt[M3Q] = mb_exp(c);
     } else if (tid >= M3Q) {
-        step_row(row, hs + (tid - M3Q) * SSD_NS);
+        step_row(row4, hs + (tid - M3Q) * SSD_NS);
     }
     mb_cp_wait<0>();
     __syncthreads();
     if (tid < w)
-        Mt[tid] = step_dot<true>(qs, row, scj) * mb_exp(s);
+        Mt[tid] = step_dot<true>(qs, row4, scj) * mb_exp(s);
     else if (tid >= M3Q)
-        Ys[tid - M3Q] = step_dot<false>(qs, row, 1.0f);
+        Ys[tid - M3Q] = step_dot<false>(qs, row4, 1.0f);
     __syncthreads();
     if (tid < SSD_HP) {
         const int p = tid;
@@ -460,15 +458,15 @@ mb_m3_step_k(const int64_t *scal, int64_t *ctl, int64_t H, int64_t di, int64_t d
         if (c < SSD_NS)
             bq[e * SSD_NS + c] = nw ? qs[c] : 0.0f;
         else if ((c -= SSD_NS) < SSD_NS)
-            bk[e * SSD_NS + c] = nw ? kn[bh * SSD_NS + c] : 0.0f;
+            bk[e * SSD_NS + c] = nw ? ks[c] : 0.0f;
         else if ((c -= SSD_NS) < SSD_HP)
             bv[e * SSD_HP + c] = nw ? Vt[w][c] : 0.0f;
         else if ((c -= SSD_HP) == 0)
-            bdt[e] = nw ? dtn[bh] : 0.0f;
+            bdt[e] = nw ? nt[0] : 0.0f;
         else if (c == 1)
-            bsg[e] = nw ? sgn[bh] : 0.0f;
+            bsg[e] = nw ? nt[1] : 0.0f;
         else
-            bad[e] = nw ? adn[bh] : 0.0f;
+            bad[e] = nw ? nt[2] : 0.0f;
     }
 }
 

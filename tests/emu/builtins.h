@@ -67,6 +67,13 @@ static inline unsigned long long atomicMin(unsigned long long *p, unsigned long 
     if (v < old) *p = v;
     return old;
 }
+static inline unsigned atomicAdd(unsigned *p, unsigned v)
+{
+    const unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+static inline void __threadfence(void) {}
 static inline void __threadfence_system(void) {}
 
 /* fast mode's hardware approximations (never compared bitwise); glibc declares an
