@@ -28,7 +28,7 @@ MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss) { return r[m] =
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
  * rows of a quarter-warp's float4 reads fall in distinct banks), w staged with them
  * so that the scaling reads shared memory only. A block of at most one row a warp
- * (a decode step's) walks each row's chain by a warp (mb_relay_sq), from registers
+ * (a decode step's) walks each row's chain by a warp (mb_relay), from registers
  * loaded while the staging runs. */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
@@ -43,8 +43,11 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
     if (rows <= RN_THREADS / 32) {
         if (wp < rows) {
             const float *xr = xb + wp * ldx;
-            float acc = 0.0f;
-            for (int64_t k0 = 0; k0 < n; k0 += 32 * MB_RELAY) acc = mb_relay_sq(acc, xr, k0, n, vec);
+            float acc = 0.0f, v[MB_RELAY];
+            for (int64_t k0 = 0; k0 < n; k0 += 32 * MB_RELAY) {
+                mb_relay_load(v, xr, k0, n, vec);
+                acc = mb_relay<true>(acc, v, v, k0, n);
+            }
             if (tid % 32 == 0) rr[wp] = rms_store(r, m0 + wp, n, acc);
         }
         mb_cp_wait<0>();
