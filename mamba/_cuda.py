@@ -39,9 +39,6 @@ GEMM_NARROW = ("mb_gemm_n96_k", 128, 96, 96)
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
-# gemm.cu mb_gemv_relay_k: a warp per output of one row, K up to 32 * MB_RELAY (chain.h),
-# 8 warps a block; at 140 registers a thread about eight warps a multiprocessor fit
-RELAY_K, RELAY_WARPS, RELAY_WARPS_PER_SM = 2048, 8, 8
 STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
@@ -57,8 +54,7 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_relay_k",
-           "mb_dot_fold_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
@@ -68,8 +64,7 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
 WAITS = frozenset((
-    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_gemv_relay_k",
-    "mb_dot_fold_k",
+    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
     "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
     "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
     "mb_m2_step_cb_k", "mb_m2_step_y_k",
@@ -645,14 +640,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          bias, u, ldu, cguard)
 
     def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi):
-        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none). One row
-        against few outputs takes a warp per output (its chain's operands in
-        registers); more rows or outputs the GEMV kernel."""
+        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none)."""
         P = _cdiv(K, LEAF)
-        if M == 1 and K <= RELAY_K and N <= RELAY_WARPS_PER_SM * self.sms and not any(epi):
-            self._launch(s, "mb_gemv_relay_k", (_cdiv(N, RELAY_WARPS),), 32 * RELAY_WARPS, N, K,
-                         X, W, ldw, Y, res, guard)
-            return
         if M <= GEMV_MAX_M:
             name, threads, smem = "mb_gemv_k", GEMV_THREADS, self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)

@@ -366,12 +366,9 @@ def test_session_guard_in_or_before_the_norm(be, monkeypatch, name, B):
 
 @pytest.mark.parametrize("M,N,K", [(2, 20, 8193), (2, 20, 3 * 8192 + 5), (20, 20, 2 * 8192),
                                    (130, 20, 8193), (129, 257, 13), (65, 50, 700),
-                                   (9, 40, 129), (1, 16, 2048), (1, 13, 77), (1, 9, 2049),
-                                   (1, 200, 64)])
+                                   (9, 40, 129)])
 def test_gemm(be, M, N, K):
-    """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves; one row
-    takes a warp per output (K up to 2048, N up to 8 a multiprocessor), runs of its
-    chain whole and cut, then the GEMV past either bound."""
+    """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves."""
     X, W = rand((M, K), M), rand((N, K), N)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
 
@@ -449,15 +446,13 @@ def test_fast_mode_is_close(be, name):
     """numeric_mode="fast" (its own kernels: shuffle reductions, hardware exp) stays
     within fast mode's error bound of the identical results, for a prefill of a few
     tokens (the split-K GEMV), decode steps and a prefill past the GEMV's rows (the
-    identical GEMM, as on AMD, which has no TF32 GEMM) in rows enough that Mamba-1
-    takes its wide scan (96 channels a multiprocessor, _cuda.py)."""
+    identical GEMM, as on AMD, which has no TF32 GEMM)."""
     cpu = make(name, backend="cpu")
     fast = make(name, backend="cuda", numeric_mode="fast")
     x = rand((2, 6, cpu.d_model), 12)
     st_c, st_f = cpu.allocate_state(2), fast.allocate_state(2)
     pairs = [(cpu.forward(time_slice(x, 0, 4), st_c), fast.forward(time_slice(x, 0, 4), st_f))]
-    rows = max(2, -(-96 * be.sms // (2 * cpu.d_model))) if name == "mamba1" else 2
-    long = rand((rows, 40, cpu.d_model), 13)
+    long = rand((2, 40, cpu.d_model), 13)
     pairs.append((cpu.forward(long), fast.forward(long)))
     pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
               for t in (4, 5)]

@@ -44,46 +44,4 @@ MB_DEV float mb_chain_tile(float acc, const float *x, const float *w, int kc)
 #undef MB_LD4
 #undef MB_FMA4
 
-/* The same chain walked by a warp with every operand in registers, for a chain that
- * is alone on its critical path (a decode step's single row): lane L holds terms
- * L * MB_RELAY + (0..MB_RELAY - 1) of a run of 32 * MB_RELAY (mb_relay_load) and
- * continues the chain where lane L - 1 left it, passed by a shuffle. No fma waits on
- * a load: about 4.6 cycles a term on one warp and 5.1-5.5 with eight warps a
- * multiprocessor, against mb_chain_tile's 6.7 (H200). Terms past the end are loaded
- * as zeros: fmaf(0, 0, acc) is acc, as a chain from +0 is never -0. Every lane
- * returns the sum. */
-#define MB_RELAY 64
-
-/* a lane's terms of the run at k0 of a row of n (vec: the row is 16-byte aligned) */
-MB_DEV void mb_relay_load(float (&v)[MB_RELAY], const float *row, int64_t k0, int64_t n, bool vec)
-{
-    const int64_t k = k0 + (threadIdx.x % 32) * MB_RELAY;
-    if (vec && k + MB_RELAY <= n) {
-#pragma unroll
-        for (int i = 0; i < MB_RELAY; i += 4) {
-            const float4 f = *(const float4 *)(row + k + i);
-            v[i] = f.x, v[i + 1] = f.y, v[i + 2] = f.z, v[i + 3] = f.w;
-        }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < MB_RELAY; i++) v[i] = k + i < n ? row[k + i] : 0.0f;
-}
-
-/* acc continued over the run at k0 of x . w (SQUARE: x . x), n terms in all */
-template <bool SQUARE>
-MB_DEV float mb_relay(float acc, const float (&x)[MB_RELAY], const float (&w)[MB_RELAY],
-                      int64_t k0, int64_t n)
-{
-    const int64_t left = (n - k0 + MB_RELAY - 1) / MB_RELAY;
-    const int lanes = left < 32 ? (int)left : 32;
-    for (int L = 0; L < lanes; L++) {
-        float c = acc;
-#pragma unroll
-        for (int i = 0; i < MB_RELAY; i++) c = fmaf(x[i], SQUARE ? x[i] : w[i], c);
-        acc = MB_SHFL(c, L, 32);
-    }
-    return acc;
-}
-
 #endif

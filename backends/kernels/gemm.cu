@@ -302,31 +302,6 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     }
 }
 
-/* One row of X (a batch-1 decode step), K <= 32 * MB_RELAY: a warp walks each
- * output's chain by mb_relay (chain.h), the row of W in registers loaded before the
- * wait (weights do not depend on the kernel before), X's after it. Registers bound
- * it to about eight warps a multiprocessor (_cuda.py RELAY_WARPS_PER_SM). res and
- * guard as in mb_gemv_k. */
-#define GR_WARPS 8
-MB_KERNEL void MB_BOUNDS(32 * GR_WARPS)
-mb_gemv_relay_k(int64_t N, int64_t K, const float *X, const float *W, int64_t ldw, float *Y,
-                const float *res, const unsigned long long *guard)
-{
-    const int64_t n = (int64_t)blockIdx.x * GR_WARPS + threadIdx.x / 32;
-    const bool live = n < N;
-    float w[MB_RELAY], x[MB_RELAY];
-    if (live) mb_relay_load(w, W + n * ldw, 0, K, (ldw & 3) == 0 && ((uintptr_t)W & 15) == 0);
-    MB_GRID_WAIT();
-    if (!live) return;
-    mb_relay_load(x, X, 0, K, ((uintptr_t)X & 15) == 0);
-    float v = mb_relay<false>(0.0f, x, w, 0, K);
-    if (threadIdx.x % 32 == 0) {
-        if (res) v = mb_refused(guard) ? MB_QNAN : res[n] + v;
-        Y[n] = v;
-    }
-}
-#undef GR_WARPS
-
 /* Join P leaf results per output with mb_dot's tree (parts[p * ldp + m * N + n]);
  * res and guard as in mb_gemv_k. */
 MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts, int64_t ldp,

@@ -27,9 +27,7 @@ MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss) { return r[m] =
 
 /* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
  * rows of a quarter-warp's float4 reads fall in distinct banks), w staged with them
- * so that the scaling reads shared memory only. A block of at most one row a warp
- * (a decode step's) walks each row's chain by a warp (mb_relay), from registers
- * loaded while the staging runs. */
+ * so that the scaling reads shared memory only */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
 {
@@ -39,28 +37,14 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
     mb_stage_rows(sm, ld, xb, ldx, rows, n4, 0, n, vec, tid, RN_THREADS);
     mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, RN_THREADS);
     mb_cp_commit();
-    const int wp = tid / 32;
-    if (rows <= RN_THREADS / 32) {
-        if (wp < rows) {
-            const float *xr = xb + wp * ldx;
-            float acc = 0.0f, v[MB_RELAY];
-            for (int64_t k0 = 0; k0 < n; k0 += 32 * MB_RELAY) {
-                mb_relay_load(v, xr, k0, n, vec);
-                acc = mb_relay<true>(acc, v, v, k0, n);
-            }
-            if (tid % 32 == 0) rr[wp] = rms_store(r, m0 + wp, n, acc);
-        }
-        mb_cp_wait<0>();
-    } else {
-        mb_cp_wait<0>();
-        __syncthreads();
-        if (tid < rows) {
-            const float *t = sm + tid * ld;
-            const int n16 = (int)n / 16 * 16;
-            float acc = mb_chain_tile<true>(0.0f, t, t, n16);
-            for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
-            rr[tid] = rms_store(r, m0 + tid, n, acc);
-        }
+    mb_cp_wait<0>();
+    __syncthreads();
+    if (tid < rows) {
+        const float *t = sm + tid * ld;
+        const int n16 = (int)n / 16 * 16;
+        float acc = mb_chain_tile<true>(0.0f, t, t, n16);
+        for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
+        rr[tid] = rms_store(r, m0 + tid, n, acc);
     }
     __syncthreads();
     for (int m = 0; m < rows; m++)
