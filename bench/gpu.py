@@ -186,8 +186,7 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
                 blk = CLASSES[kind](w, numeric_mode=mode, backend="cuda")
                 row[mode + "_ms"] = events_ms(lambda: blk.forward(x))
                 row[mode + "_peak_mib"] = pool_peak_mib(be, lambda: blk.forward(x))
-                if wname in ("W1", "W2"):
-                    row[mode + "_kernels_ms"] = kernel_table(lambda: blk.forward(x))
+                row[mode + "_kernels_ms"] = kernel_table(lambda: blk.forward(x))
                 if wname == "W1":  # host time to issue one call (no wait), and device busy time
                     row[mode + "_issue_ms"] = issue_ms(lambda: blk.forward(x))
                     row[mode + "_kernel_sum_ms"] = sum(row[mode + "_kernels_ms"].values())
