@@ -18,9 +18,9 @@
 /* Grid (x over channels / SCH, y over rows). xdbl rows are (dt_low (R) | B (16) |
  * C (16)). A group's inputs are staged in shared memory with coalesced loads: delta,
  * u and z of its SG tokens x SCH channels (thread tid takes token tid / SCH, channel
- * tid % SCH), and the tokens' B and C rows, which all channels share, each loaded
- * a group ahead. Channels past di run on a copy of the last one and store nothing,
- * so every thread reaches every barrier. */
+ * tid % SCH), and the tokens' B and C rows, which all channels share. Channels past
+ * di run on a copy of the last one and store nothing, so every thread reaches every
+ * barrier. */
 template <class F>
 MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const float *dtp,
                   const float *dt_b, const float *u, const float *xz, const float *xdbl,
@@ -38,46 +38,26 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
     const int64_t c = live ? cl : di - 1, lc = c0 + lk < di ? c0 + lk : di - 1;
     const float a = -F::exp(A_log[c * NS + n]);
     const float lbias = dt_b[lc], Dc = D[c];
-    constexpr int BC = SG * 2 * NS / (SCH * NS); /* B and C values a thread stages */
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         float *hp = h + (b * di + c) * NS + n;
         float hn = *hp;
         const int64_t t1 = off[b + 1];
-        /* a group's inputs are loaded into registers while the group before is walked,
-         * so that a group waits on global memory only when it is the first */
-        float ldt = 0.0f, lu = 0.0f, lz = 0.0f, lbc[BC];
-        auto load = [&](int64_t g) {
-            const int64_t ng = t1 - g;
-            if (lq < ng) {
-                const int64_t t = g + lq;
-                ldt = dtp[t * di + lc];
-                lu = u[t * di + lc];
-                lz = xz[t * 2 * di + di + lc];
-            }
-#pragma unroll
-            for (int j = 0; j < BC; j++) {
-                const int e = threadIdx.x + j * SCH * NS, q = e / (2 * NS), m = e % (2 * NS);
-                if (q < ng) lbc[j] = xdbl[(g + q) * XR + R + m];
-            }
-        };
-        if (off[b] < t1) load(off[b]);
         for (int64_t g = off[b]; g < t1; g += SG) {
             const int ng = t1 - g < SG ? (int)(t1 - g) : SG;
             if (lq < ng) {
-                sdl[lk][lq] = F::softplus(ldt + lbias);
-                su[lk][lq] = lu;
-                sz[lk][lq] = lz;
+                const int64_t t = g + lq;
+                sdl[lk][lq] = F::softplus(dtp[t * di + lc] + lbias);
+                su[lk][lq] = u[t * di + lc];
+                sz[lk][lq] = xz[t * 2 * di + di + lc];
             }
-#pragma unroll
-            for (int j = 0; j < BC; j++) {
-                const int e = threadIdx.x + j * SCH * NS, q = e / (2 * NS), m = e % (2 * NS);
-                if (q >= ng) continue;
+            for (int e = threadIdx.x; e < ng * 2 * NS; e += SCH * NS) {
+                const int q = e / (2 * NS), m = e % (2 * NS);
+                const float v = xdbl[(g + q) * XR + R + m];
                 if (m < NS)
-                    sB[q][m] = lbc[j];
+                    sB[q][m] = v;
                 else
-                    sC[q][m - NS] = lbc[j];
+                    sC[q][m - NS] = v;
             }
-            if (g + SG < t1) load(g + SG);
             __syncthreads();
 #pragma unroll
             for (int i = 0; i < SG; i++) {
