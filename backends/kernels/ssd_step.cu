@@ -96,22 +96,41 @@ mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *
             scal[3] = ctl[1];
         }
     }
+    /* the dots' copies first: they read only rows the loop below leaves alone (the
+     * new row comes from u), and are in flight while it runs */
+    const int64_t b = blockIdx.y, gb = STEP_Q2 / STEP_CB, on_b = blockIdx.x < gb;
+    const int64_t r0 = (on_b ? blockIdx.x : blockIdx.x - gb) * STEP_CB;
+    const bool dots = t < n && !(on_b && r0 > t); /* not refused, rows up to t */
+    const int nr = on_b && t + 1 - r0 < STEP_CB ? (int)(t + 1 - r0) : STEP_CB;
+    const float *un = u + b * CD + di; /* the new row's B and C */
+    if (dots) {
+        const float *src = on_b ? bx + (b * STEP_Q2 + r0) * CD + di
+                                : h + (b * H * SSD_HP + r0) * SSD_NS;
+        const int64_t ld = on_b ? CD : SSD_NS;
+        for (int m = tid; m < SSD_NS / 4; m += STEP_CBT)
+            mb_cp_async16(Ct + 4 * m, un + SSD_NS + 4 * m, 16);
+        for (int e = tid; e < nr * (SSD_NS / 4); e += STEP_CBT) {
+            const int r = e / (SSD_NS / 4), c = e % (SSD_NS / 4) * 4;
+            mb_cp_async16(&rows[r][c], (on_b && r0 + r == t ? un : src + r * ld) + c, 16);
+        }
+    }
+    mb_cp_commit();
     const float lo = __int_as_float((int)lo_bits), hi = __int_as_float((int)hi_bits);
     const int64_t stride = (int64_t)gridDim.x * gridDim.y * blockDim.x;
     for (int64_t i = blk * blockDim.x + tid; i < B * (CD + H); i += stride) {
         if (i < B * CD) {
-            const int64_t b = i / CD, c = i % CD;
-            if (!refused) bx[(b * STEP_Q2 + t) * CD + c] = u[i];
+            const int64_t bi = i / CD, c = i % CD;
+            if (!refused) bx[(bi * STEP_Q2 + t) * CD + c] = u[i];
             continue;
         }
-        const int64_t bh = i - B * CD, b = bh / H, hh = bh % H;
-        const float raw = dtr[b * ldr + hh];
-        if (!refused) bd[(b * STEP_Q2 + t) * H + hh] = raw;
+        const int64_t bh = i - B * CD, bi = bh / H, hh = bh % H;
+        const float raw = dtr[bi * ldr + hh];
+        if (!refused) bd[(bi * STEP_Q2 + t) * H + hh] = raw;
         const float A = -mb_exp(A_log[hh]), bias = dt_bias[hh];
         float *dtc = dt + bh * STEP_Q2, *dAc = dA + bh * STEP_Q2, *csc = cs + bh * STEP_Q2;
         float acc = from > 0 ? csc[from - 1] : 0.0f;
         for (int64_t j = from; j < n; j++) {
-            const float r = j == t ? raw : bd[(b * STEP_Q2 + j) * H + hh];
+            const float r = j == t ? raw : bd[(bi * STEP_Q2 + j) * H + hh];
             const float v = mb_clamp(mb_softplus(r + bias), lo, hi);
             const float a = v * A;
             acc = acc + a;
@@ -120,21 +139,7 @@ mb_m2_step_cb_k(int64_t H, int64_t di, int64_t CD, const float *u, const float *
             csc[j] = acc;
         }
     }
-    const int64_t b = blockIdx.y, gb = STEP_Q2 / STEP_CB, on_b = blockIdx.x < gb;
-    const int64_t r0 = (on_b ? blockIdx.x : blockIdx.x - gb) * STEP_CB;
-    if (t >= n || (on_b && r0 > t)) return; /* refused, or rows past t */
-    const int nr = on_b && t + 1 - r0 < STEP_CB ? (int)(t + 1 - r0) : STEP_CB;
-    const float *un = u + b * CD + di; /* the new row's B and C */
-    const float *src = on_b ? bx + (b * STEP_Q2 + r0) * CD + di
-                            : h + (b * H * SSD_HP + r0) * SSD_NS;
-    const int64_t ld = on_b ? CD : SSD_NS;
-    for (int m = tid; m < SSD_NS / 4; m += STEP_CBT)
-        mb_cp_async16(Ct + 4 * m, un + SSD_NS + 4 * m, 16);
-    for (int e = tid; e < nr * (SSD_NS / 4); e += STEP_CBT) {
-        const int r = e / (SSD_NS / 4), c = e % (SSD_NS / 4) * 4;
-        mb_cp_async16(&rows[r][c], (on_b && r0 + r == t ? un : src + r * ld) + c, 16);
-    }
-    mb_cp_commit();
+    if (!dots) return;
     mb_cp_wait<0>();
     __syncthreads();
     if (tid < nr) {
@@ -317,10 +322,13 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
     __shared__ int64_t plan[2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
     const int tid = threadIdx.x, lane = tid % 32, wp = tid / 32;
+    const float *row = zx + blockIdx.y * dip;
     if (tid == 0) {
         plan[0] = ctl[0];
         plan[1] = ctl[1];
     }
+    /* the new token's B and C load with the plan (a refused step drops them) */
+    for (int i = tid; i < 2 * SSD_NS; i += STEP_Y3) bc[i / SSD_NS][i % SSD_NS] = row[2 * di + i];
     __syncthreads();
     const int64_t t = plan[0], whole = plan[1], e0 = b * M3Q;
     const bool refused = mb_refused(guard), seal = !refused && t == M3Q;
@@ -340,9 +348,6 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
         }
     }
     if (refused) return;
-    const float *row = zx + b * dip;
-    for (int i = tid; i < 2 * SSD_NS; i += STEP_Y3) bc[i / SSD_NS][i % SSD_NS] = row[2 * di + i];
-    __syncthreads();
     if (wp < 2) {
         const float *x = bc[wp];
         if (fast) {
