@@ -117,7 +117,7 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
     }
 }
 
-#define M3_AHEAD 8 /* tokens whose inputs are loaded ahead of the angle chain */
+#define M3_AHEAD 16 /* tokens a batch: a batch's inputs load while the one before is walked */
 
 /* One thread per (row, head, angle): the angle recurrence alone (the only serial
  * part of the rotation), each token's angle parked in q's slot 2r, which
@@ -132,14 +132,15 @@ MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const in
         const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
         const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
         float th = theta[i];
-        for (int64_t t = 0; t < T; t += M3_AHEAD) {
-            float ta[M3_AHEAD], dt[M3_AHEAD];
+        auto load = [&](float (&ta)[M3_AHEAD], float (&dt)[M3_AHEAD], int64_t t) {
 #pragma unroll
             for (int u = 0; u < M3_AHEAD; u++) {
                 const bool in = t + u < T;
                 ta[u] = in ? TA[(o + t + u) * M3A + r] : 0.0f;
                 dt[u] = in ? DT[(e0 + t + u) * H + h] : 0.0f;
             }
+        };
+        auto walk = [&](const float (&ta)[M3_AHEAD], const float (&dt)[M3_AHEAD], int64_t t) {
 #pragma unroll
             for (int u = 0; u < M3_AHEAD; u++) {
                 if (t + u < T) {
@@ -147,6 +148,14 @@ MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const in
                     Q[((e0 + t + u) * H + h) * SSD_NS + 2 * r] = th;
                 }
             }
+        };
+        float ta0[M3_AHEAD], dt0[M3_AHEAD], ta1[M3_AHEAD], dt1[M3_AHEAD];
+        load(ta0, dt0, 0);
+        for (int64_t t = 0; t < T; t += 2 * M3_AHEAD) {
+            load(ta1, dt1, t + M3_AHEAD);
+            walk(ta0, dt0, t);
+            load(ta0, dt0, t + 2 * M3_AHEAD);
+            walk(ta1, dt1, t + M3_AHEAD);
         }
         theta[i] = th;
         if (theta_last) theta_last[i] = th;
