@@ -15,10 +15,8 @@
 
 #define M2Q 256
 
-/* One thread per (chunk, head): the chunk's n rows in order, their inputs loaded
- * M2_BATCH at a time. dt, dA and cs are (chunks, H, M2Q). lo and hi travel as float
- * bit patterns. */
-#define M2_BATCH 16
+/* One thread per (chunk, head): the chunk's n rows in order. dt, dA and cs are
+ * (chunks, H, M2Q). lo and hi travel as float bit patterns. */
 MB_KERNEL void mb_m2_prep_k(int64_t NC, const int64_t *desc, int64_t H, const float *DTR,
                             const float *dt_bias, const float *A_log, int64_t lo_bits,
                             int64_t hi_bits, float *dt, float *dA, float *cs)
@@ -29,21 +27,13 @@ MB_KERNEL void mb_m2_prep_k(int64_t NC, const int64_t *desc, int64_t H, const fl
         const int64_t e0 = d[1], n = d[2];
         const float A = -mb_exp(A_log[h]), bias = dt_bias[h];
         float acc = 0.0f;
-        for (int64_t j0 = 0; j0 < n; j0 += M2_BATCH) {
-            float raw[M2_BATCH]; /* loaded together: the stores below may alias DTR */
-#pragma unroll
-            for (int u = 0; u < M2_BATCH; u++) raw[u] = j0 + u < n ? DTR[(e0 + j0 + u) * H + h] : 0.0f;
-#pragma unroll
-            for (int u = 0; u < M2_BATCH; u++) {
-                const int64_t j = j0 + u;
-                if (j >= n) break;
-                const float t = mb_clamp(mb_softplus(raw[u] + bias), lo, hi);
-                const float a = t * A;
-                acc = acc + a;
-                dt[i * M2Q + j] = t;
-                dA[i * M2Q + j] = a;
-                cs[i * M2Q + j] = acc;
-            }
+        for (int64_t j = 0; j < n; j++) {
+            const float t = mb_clamp(mb_softplus(DTR[(e0 + j) * H + h] + bias), lo, hi);
+            const float a = t * A;
+            acc = acc + a;
+            dt[i * M2Q + j] = t;
+            dA[i * M2Q + j] = a;
+            cs[i * M2Q + j] = acc;
         }
     }
 }
@@ -246,4 +236,3 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
 
 #undef M2Q
 #undef G_TILES
-#undef M2_BATCH
