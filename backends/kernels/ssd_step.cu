@@ -5,9 +5,11 @@
  *
  * The ext layout of ssd.cu with row b's ext rows at b * Q: the state buffers
  * (B, Q, W) are their own ext arrays, and every grid and table size depends only
- * on B. ctl[0] holds the buffered tokens; the step's last writer of the tables
- * moves it on. A step the session guard refused (finite.cu) gets an empty plan: no
- * new row, no fold, no state piece written, the count kept. */
+ * on B. ctl[0] holds the buffered tokens, moved on once every reader has read it
+ * (Mamba-2: by the output kernel, after the dots kernel; Mamba-3: by the step
+ * kernel's last block to have read it). A step the session guard refused
+ * (finite.cu) gets an empty plan: no new row, no fold, no state piece written, the
+ * count kept. */
 #include "ssd3.cu"
 #include "chain.h"
 
