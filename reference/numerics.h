@@ -255,11 +255,19 @@ MB_FN float mb_sin(float x) { return mb_trig_(x, 0); }
 MB_FN float mb_cos(float x) { return mb_trig_(x, 1); }
 
 /* The result lies in [0, TWO_PI] up to one rounding of the quotient: it may equal
- * TWO_PI or be a tiny negative number, both fine for mb_sin/mb_cos. */
+ * TWO_PI or be a tiny negative number, both fine for mb_sin/mb_cos. The quotient is
+ * not x / TWO_PI but p = x * RN(1 / TWO_PI) corrected by one fma, with x's sign: it
+ * can differ from the division by an ulp, but floor() of the two, and so the
+ * result, is the same for every float32 x (checked over all 2^32 inputs,
+ * docs/numerics.md), and the multiply and two fmas are a fraction of a correctly
+ * rounded division, which the angle recurrence runs once a token. */
+#define MB_INV_TWO_PI 0.15915493667125701904296875f /* bits 0x3E22F983, RN(1 / TWO_PI) */
 MB_FN float mb_mod2pi(float x)
 {
     MB_NOCONTRACT
-    return fmaf(-MB_TWO_PI, floorf(x / MB_TWO_PI), x);
+    const float p = x * MB_INV_TWO_PI;
+    const float q = copysignf(fmaf(fmaf(-p, MB_TWO_PI, x), MB_INV_TWO_PI, p), x);
+    return fmaf(-MB_TWO_PI, floorf(q), x);
 }
 
 /* dot v1 (SPEC 4.4): a serial fma chain seeded with +0 over each leaf of 8192. */
