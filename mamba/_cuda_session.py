@@ -69,8 +69,7 @@ class _GraphSession:
         """n zeroed 32-bit counters the session keeps (a kernel's last-block count;
         the last block sets its counter back to 0)."""
         p = self.alloc(n)
-        self.be._ck(self.be.cu.cuMemsetD8Async(p, 0, 4 * n, self.be.stream().cu),
-                    "cuMemsetD8Async")
+        self.be._fill32(self.be.stream().cu, p, 0, n)
         return p
 
     def arena(self, n):

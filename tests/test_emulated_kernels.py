@@ -273,6 +273,35 @@ def test_refusals_after_launch(be, name):
     refusals_after_launch(be, name)
 
 
+def test_m2_session_folds_twice(be):
+    """A Mamba-2 session whose chunk fills twice, two rows: each fold leaves the
+    buffers zeroed by the row's last output block, found by a per-row counter that
+    must be back at 0 for the second fold (a state loaded mid-session brings the
+    count to 254 again): the C reference's bits."""
+    cpu, gpu = make("mamba2", backend="cpu"), make("mamba2", backend="cuda")
+    x = rand((2, 514, cpu.d_model), 7)
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    cpu.forward(time_slice(x, 0, 254), st_c)
+    gpu.forward(time_slice(x, 0, 254), st_g)
+    got, want = [], []
+    with gpu.decode_session(st_g) as sess:
+        for lo, hi in ((254, 258), (510, 514)):
+            if lo == 510:  # the caller's state after 510 tokens, loaded
+                sess.sync_state()
+                st_c = cpu.allocate_state(2)
+                cpu.forward(time_slice(x, 0, 510), st_c)
+                for n, q in zip(st_c._PIECES, st_c.pieces()):
+                    memoryview(getattr(st_g, n)).cast("B")[:] = memoryview(q).cast("B")
+                for n in st_c._SCALARS:
+                    setattr(st_g, n, getattr(st_c, n))
+                sess.load_state()
+            for t in range(lo, hi):
+                xt = time_slice(x, t, t + 1)
+                got.append((f"step {t}", host(sess.step(be.copy(xt)))))
+                want.append((f"step {t}", raw(cpu.step(xt, st_c))))
+    assert_same(got + state_of(st_g), want + state_of(st_c), "mamba2 session, two folds")
+
+
 def test_m3_session_input_states(be):
     """A Mamba-3 session whose first step consumes Input_States (its own graph, the
     step's device x checked before the launch): the C reference's bits."""

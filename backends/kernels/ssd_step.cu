@@ -262,11 +262,7 @@ mb_m2_step_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const int
     const float4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int e = tid; e < STEP_Q2 * (STEP_PC / 4); e += STEP_Q2)
         *(float4 *)(u + e / (STEP_PC / 4) * CD + c0 + e % (STEP_PC / 4) * 4) = zero;
-    if (tid == 0) {
-        __threadfence();
-        last_block = atomicAdd(done + b, 1u) == gridDim.x * gridDim.z - 1;
-        if (last_block) done[b] = 0;
-    }
+    if (tid == 0) last_block = mb_last_block(done + b, gridDim.x * gridDim.z);
     __syncthreads();
     if (!last_block) return;
     constexpr int BC = 2 * SSD_NS / 4; /* float4s of a row's B and C */
@@ -324,7 +320,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
     __shared__ int64_t plan[2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
     const int tid = threadIdx.x, lane = tid % 32, wp = tid / 32;
-    const float *row = zx + blockIdx.y * dip;
+    const float *row = zx + b * dip;
     if (tid == 0) {
         plan[0] = ctl[0];
         plan[1] = ctl[1];
@@ -341,12 +337,9 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
             step_desc(rep + b * MB_DESC, b, e0, nrep, 0, 0);
             last[b] = e0 + nrep - 1;
         }
-        if (atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1) {
-            *done = 0;
-            if (!refused) {
-                ctl[0] = w + 1;
-                ctl[1] = 0;
-            }
+        if (mb_last_block(done, gridDim.x * gridDim.y) && !refused) {
+            ctl[0] = w + 1;
+            ctl[1] = 0;
         }
     }
     if (refused) return;

@@ -114,6 +114,18 @@ MB_DEV void mb_stage_rows(float *dst, int sld, const float *src, int64_t ld, int
 #define MB_QNAN __int_as_float(0x7fc00000)
 MB_DEV bool mb_refused(const unsigned long long *guard) { return guard && *guard != ~0ull; }
 
+/* Whether the calling block, by one of its threads, is the last of `blocks` to
+ * count itself in *count; the last sets it back to 0 for the next launch. The
+ * block's reads before the call are complete, and the fence makes its writes
+ * visible to the last block. */
+MB_DEV bool mb_last_block(unsigned *count, unsigned blocks)
+{
+    __threadfence();
+    const bool last = atomicAdd(count, 1u) == blocks - 1;
+    if (last) *count = 0;
+    return last;
+}
+
 /* Programmatic dependent launch (sm_90): a decode session's graph launches the
  * kernels _cuda.WAITS names so that each may start while its predecessor runs; such
  * a kernel waits for its predecessor's results, then lets its own successor start
