@@ -289,11 +289,20 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
     gemv_kc = 256  # terms per stage of mb_gemv_k: vendor.h MB_GEMV_KC
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
+    smem_optin = 160 * 1024  # the most dynamic shared memory a kernel here asks for (sm_80: 163 KiB)
 
     @property
     def gemv_smem(self):
         """Bytes of dynamic shared memory of mb_gemv_k (gemm.cu)."""
         return 4 * GEMV_STAGES * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
+
+    def gemv_norm_smem(self, M, K):
+        """Bytes of dynamic shared memory of mb_gemv_k normalizing M rows of K terms
+        itself (gemm.cu: the weights' ring, then a block's rows whole, then the norm's
+        weight); 0 where that is more than a kernel may ask for, or K spans leaves."""
+        n = (GEMV_STAGES * GEMV_ROWS * (self.gemv_kc + 4) + min(M, GEMV_MROWS) * (_cdiv(K, 32) * 32 + 4)
+             + _cdiv(K, 4) * 4)
+        return 4 * n if K <= LEAF and M <= GEMV_MAX_M and 4 * n <= self.smem_optin else 0
 
     @property
     def norm_smem(self):
@@ -320,7 +329,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
         self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
-        big = {"mb_gemv_k": self.gemv_smem, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
+        big = {"mb_gemv_k": self.smem_optin, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
             self._allow_smem(k, smem)
         props = cu.CUmemPoolProps()
@@ -605,12 +614,14 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return P * M * N if P > 1 else 0
 
     def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0,
-             conv=None):
+             conv=None, norm=0):
         """Y = X . W^T, plus res (the residual, Y's layout, ld ldy) when given; guard
         (a session's, GEMV paths only) makes a refused step's Y NaN. conv: a one-token
         call's conv step on Y's columns [c0, c0 + C), (c0, C, window, w, bias, u, ldu,
         guard) as mb_conv_step_k takes them: in the GEMV's epilogue (one kernel fewer
-        a step), else right after.
+        a step), else right after. norm: the weight of an RMSNorm of X's rows that the
+        identical GEMV applies first (only where gemv_norm_smem(M, K) is not 0); X is
+        left as it was.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
@@ -620,6 +631,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if M == 0 or N == 0:
             return
         assert not (conv and (res or guard))
+        assert not norm or (not fast and self.gemv_norm_smem(M, K))
         epi = (0,) * 7
         if conv and (M <= FAST_GEMV_MAX_M if fast else M <= GEMV_MAX_M and K <= LEAF):
             epi, guard, conv = conv[:7], conv[7], None
@@ -632,20 +644,22 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy,
                          smem=TF32_SMEM)
         else:
-            self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi)
+            self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm)
         if conv:
             c0, C, window, w, bias, u, ldu, cguard = conv
             self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k",
                          (self._grid(M * C),), THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w,
                          bias, u, ldu, cguard)
 
-    def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi):
-        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none)."""
+    def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm=0):
+        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none); norm: as
+        gemm's."""
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:
-            name, threads, smem = "mb_gemv_k", GEMV_THREADS, self.gemv_smem
+            name, threads = "mb_gemv_k", GEMV_THREADS
+            smem = self.gemv_norm_smem(M, K) if norm else self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
-            tail = (res, ldy, guard) + epi
+            tail = (norm, res, ldy, guard) + epi
         else:
             assert not guard
             name, bm, bn, threads = (GEMM_RES if res else
@@ -778,15 +792,24 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                      B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
         self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
 
-    def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0):
+    def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0,
+              gnorm=None):
         """out_proj of every block and the residual into the padded output (NaN where
         a session's guard refused the step): a few one-token rows add the residual in
         the GEMV's epilogue, a call without padding or guard in the GEMM's (packed and
-        padded rows agree there), others in mb_residual_k; xn: M * dm scratch."""
+        padded rows agree there), others in mb_residual_k; xn: M * dm scratch.
+        gnorm: (w, r), Mamba-2's gated RMSNorm of yg first: in the identical GEMV
+        where it fits (yg is then left as it was), else in place (r: M floats)."""
+        norm = 0
+        if gnorm is not None:
+            if not fast and self.gemv_norm_smem(M, di):
+                norm = gnorm[0]
+            else:
+                self._rmsnorm(s, fast, M, di, yg, gnorm[0], yg, gnorm[1])
         if (L == 1 and M <= GEMV_MAX_M) or (M == B * L and not guard):
-            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard)
+            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard, norm=norm)
             return
-        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast)
+        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast, norm=norm)
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
                      B, L, dm, off, xd, xn, yd, guard)
 
@@ -854,15 +877,17 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                     self.release(free)
 
     # ------------------------------------------------------------ test hooks
-    def _gemm(self, X, W, M, N, K, fast=False):
-        """Y = X . W^T on the device for host X (M, K), W (N, K); a host Y (tests)."""
+    def _gemm(self, X, W, M, N, K, fast=False, norm=None):
+        """Y = X . W^T on the device for host X (M, K), W (N, K); a host Y (tests).
+        norm: a host RMSNorm weight (K,) that the GEMV applies to X's rows first."""
         self._enter()
         s = self.stream()
         Y = _core.empty((M, N))
         with _Scratch(self, s) as sc:
             xd, wd, yd = self._on_device(sc, X), self._on_device(sc, W), sc(M * N)
+            nd = self._on_device(sc, norm) if norm is not None else 0
             parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
-            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast)
+            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, norm=nd)
             self._finish(s, [(Y, yd)])
         return Y
 

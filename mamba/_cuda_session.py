@@ -335,9 +335,8 @@ class M2Session(_SsdSession):
             L(cs, "mb_m2_step_y_k", (H, B, STEP_PS), M2_Q,
               desc, H, di, CD, scal, self.ctl, done, bx, bd, self.dt, dA, self.cs, D, zx, NP,
               G, Yo, h, seg, yg)
-            be._rmsnorm(cs, fast, B, di, yg, gnorm_w, yg, I["r"])
             be._back(cs, B, 1, dm, di, B, I["off"], yg, out_proj, xd, xn, self.y.ptr, parts, fast,
-                     g)
+                     g, gnorm=(gnorm_w, I["r"]))
         self.exec = self.capture(body)
 
     def _reports(self):

@@ -230,10 +230,9 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
                              B, I["store"], M2_Q, W, ext, buf)
             # the gated norm, out_proj, residual
-            self._rmsnorm(s, fast, M, di, yg, gnorm_w, yg, I["r"])  # in place
             _release(sc, zx, U, DTR, dt, dA, cs, G, S, Ec, *(() if direct else (unew,)))
             self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, sc(M * dm), yd, parts,
-                       fast)
+                       fast, gnorm=(gnorm_w, I["r"]))
             self._finish(st, back)
         return tuple(plan.counts)
 

@@ -165,6 +165,7 @@ class HipBackend(_cuda.CudaBackend):
     name = "hip"
     stages = 2  # vendor.h MB_STAGES under hipcc: AMD's 64 KiB of LDS holds two
     gemv_kc = 128  # vendor.h MB_GEMV_KC under hipcc
+    smem_optin = 64 * 1024  # AMD's LDS a workgroup
     m1b_group = 8  # back1.cu M1B_G under hipcc, for the same LDS
     tensor_cores = False  # CUDA_ONLY: fast mode's projections take the identical GEMM
 

@@ -157,6 +157,9 @@ def refusals_after_launch(be, name):
 
 
 NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000)]
+# (M, N, K) of the GEMV normalizing its rows itself: a row, a block's 8 rows and
+# one more, K a stage, not a multiple of 4, past a stage, Mamba-2's out_proj
+NORM_GEMVS = [(1, 40, 2048), (8, 33, 13), (9, 70, 1031), (64, 32, 256), (3, 1024, 2048)]
 
 
 def rmsnorm_rows(be, M, n):
@@ -169,3 +172,14 @@ def rmsnorm_rows(be, M, n):
     want = raw(_core._rmsnorm(X, W, M, n))
     assert raw(be._rmsnorm_rows(X, W, M, n)) == want
     assert raw(be._rmsnorm_rows(X, W, M, n, in_place=True)) == want
+
+
+def norm_gemv(be, M, N, K):
+    """The decode GEMV that RMSNorms its rows of X first gives the C reference's norm
+    then GEMM, bit for bit, and leaves X as it was."""
+    assert be.gemv_norm_smem(M, K), "the shape takes the GEMV's norm"
+    X, W, nw = rand((M, K), 52), rand((N, K), 53), rand((K,), 54)
+    xs = raw(X)
+    want = raw(_core._gemm(_core._rmsnorm(X, nw, M, K), W, M, N, K))
+    assert raw(be._gemm(X, W, M, N, K, norm=nw)) == want
+    assert raw(X) == xs

@@ -21,9 +21,9 @@ from _util import concat_time, floats, rand, raw, rows, time_slice
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
-from device_lanes import (NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same, frees_during_capture,
-                          host, poisoned, refusals_after_launch, rmsnorm_rows, ssd_session_graph,
-                          state_of)
+from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
+                          frees_during_capture, host, norm_gemv, poisoned, refusals_after_launch,
+                          rmsnorm_rows, ssd_session_graph, state_of)
 
 FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
 
@@ -468,6 +468,11 @@ def test_token_folds(be, case, grid, monkeypatch):
 @pytest.mark.parametrize("M,n", NORM_SHAPES)
 def test_rmsnorm_rows(be, M, n):
     rmsnorm_rows(be, M, n)
+
+
+@pytest.mark.parametrize("M,N,K", NORM_GEMVS)
+def test_norm_gemv(be, M, N, K):
+    norm_gemv(be, M, N, K)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

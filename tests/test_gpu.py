@@ -17,8 +17,8 @@ import mamba
 from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
-from device_lanes import (NORM_SHAPES, SSD_SESSIONS, frees_during_capture, refusals_after_launch,
-                          rmsnorm_rows, ssd_session_graph)
+from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture, norm_gemv,
+                          refusals_after_launch, rmsnorm_rows, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -244,6 +244,12 @@ def test_gemm_leaves_match_reference(be, M, K):
 @pytest.mark.parametrize("M,n", NORM_SHAPES)
 def test_rmsnorm_rows(be, M, n):
     rmsnorm_rows(be, M, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", NORM_GEMVS)
+def test_norm_gemv(be, M, N, K):
+    norm_gemv(be, M, N, K)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,12 @@
 /* dot v1's serial chain over a tile staged in shared memory (mb_stage_rows): the
- * decode GEMV and the RMSNorm sum of squares walk it. */
+ * decode GEMV and the RMSNorm sum of squares walk it; and RMSNorm rows held whole
+ * in shared memory (mb_norm_rows), which rmsnorm.cu and the decode GEMV share. */
 #ifndef MB_CHAIN_H
 #define MB_CHAIN_H
 
 #include "vendor.h"
+#include "numerics.h"
+#include "ops.h"
 
 /* acc continued over the kc terms x[k] * w[k], k ascending, one fmaf each (x and
  * w 16-byte aligned, kc a multiple of 16; SQUARE: w is x; the first 8 terms are
@@ -43,5 +46,37 @@ MB_DEV float mb_chain_tile(float acc, const float *x, const float *w, int kc)
 }
 #undef MB_LD4
 #undef MB_FMA4
+
+/* r of a row of n from its sum of squares ss (reference/norm.c) */
+MB_DEV float mb_rms_r(float ss, int64_t n) { return mb_rsqrt(ss / (float)n + MB_EPS); }
+
+/* dot v1 of a row with itself, the row staged whole (16-byte aligned, padded by 8) */
+MB_DEV float mb_sumsq_row(const float *t, int64_t n)
+{
+    const int n16 = (int)n / 16 * 16;
+    float acc = mb_chain_tile<true>(0.0f, t, t, n16);
+    for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
+    return acc;
+}
+
+/* Rows [0, rows) of src (n terms, ldx apart; rows <= the block's threads) staged
+ * whole at sm, ld floats apart (ld = 4 mod 32: a quarter-warp's float4 reads of 8
+ * rows fall in distinct banks), w after them; rr[i] = r of row i, thread i walking
+ * row i's chain. Every thread of the block calls it; returns the staged w. */
+MB_DEV const float *mb_norm_rows(float *sm, int ld, const float *src, int64_t ldx, int rows,
+                                 int64_t n, bool vec, const float *w, float *rr, int tid,
+                                 int nthreads)
+{
+    const int n4 = (int)(n + 3) / 4 * 4;
+    float *sw = sm + rows * ld;
+    mb_stage_rows(sm, ld, src, ldx, rows, n4, 0, n, vec, tid, nthreads);
+    mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, nthreads);
+    mb_cp_commit();
+    mb_cp_wait<0>();
+    __syncthreads();
+    if (tid < rows) rr[tid] = mb_rms_r(mb_sumsq_row(sm + tid * ld, n), n);
+    __syncthreads();
+    return sw;
+}
 
 #endif

@@ -226,22 +226,29 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
  * Y = res + chain, NaN when the session guard refused the step; a decode step's
- * conv (conv.cu conv_epilogue) may run on the outputs' conv columns. Dynamic shared
- * memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py gemv_smem). */
+ * conv (conv.cu conv_epilogue) may run on the outputs' conv columns. nw (optional,
+ * one leaf): X's rows are RMSNormed here first with weight nw, as mb_rms_k would
+ * (each block its own rows: a kernel boundary fewer than the norm's own kernel);
+ * they are then held whole, after the ring, GV_NLD(K) floats apart, with nw.
+ * Dynamic shared memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py
+ * gemv_smem), with nw GV_STAGES * GV_ROWS * GV_LD + rows * GV_NLD(K) + K rounded up
+ * to 4 (gemv_norm_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
 #define GV_KC MB_GEMV_KC
 #define GV_LD (GV_KC + 4)
 #define GV_STAGES 2
 #define GV_THREADS 256
+#define GV_NLD(K) (((K) + 31) / 32 * 32 + 4) /* 4 mod 32: as rmsnorm.cu's whole rows */
 
 MB_KERNEL void MB_BOUNDS(GV_THREADS)
 mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
-          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr,
-          const unsigned long long *guard, MB_CONV_EPI_ARGS)
+          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *nw, const float *res,
+          int64_t ldr, const unsigned long long *guard, MB_CONV_EPI_ARGS)
 {
     extern __shared__ __align__(16) float sm[];
     float *Ws = sm, *Xs = sm + GV_STAGES * GV_ROWS * GV_LD;
+    const int xld = nw ? (int)GV_NLD(K) : GV_LD; /* X's row stride: whole rows, or the ring's */
     const int tid = threadIdx.x, lane = tid % 32, mw = tid / 32;
     const int64_t n0 = (int64_t)blockIdx.x * GV_ROWS, m0 = (int64_t)blockIdx.y * GV_MROWS;
     const int64_t k0 = (int64_t)blockIdx.z * MB_DOT_LEAF;
@@ -262,14 +269,21 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
                       k0 + (int64_t)(c) * GV_KC, k1, vec, ltid, lthreads);
 #define MB_GV_ISSUE(c)                                                                \
     MB_GV_STAGE(c, Ws, Wb, ldw, nrows, vw, GV_ROWS)                                   \
-    MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+    if (!nw) MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
     /* the weights' first stages are copied while the previous kernel may still run;
      * they join the first stage's group of copies */
     for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
         MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
+    __shared__ float rr[GV_MROWS];
+    if (nw) { /* as rmsnorm.cu rms_whole, into the rows in place */
+        const float *sw = mb_norm_rows(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
+        for (int m = 0; m < mrows; m++)
+            for (int j = tid; j < K; j += GV_THREADS) Xs[m * xld + j] = (Xs[m * xld + j] * rr[m]) * sw[j];
+        __syncthreads();
+    }
     for (int s = 0; s < GV_STAGES - 1; s++) {
-        if (s < chunks) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+        if (s < chunks && !nw) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
     }
     float acc = 0.0f;
@@ -282,7 +296,8 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         if (live) {
             const int slot = c % GV_STAGES;
             const float *w = Ws + (slot * GV_ROWS + lane) * GV_LD;
-            const float *x = Xs + (slot * GV_MROWS + mw) * GV_LD;
+            const float *x = nw ? Xs + mw * xld + (int64_t)c * GV_KC
+                                : Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
             if (kn >= GV_KC)
                 acc = mb_chain_tile<false>(acc, x, w, GV_KC);
@@ -326,3 +341,4 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
 #undef GV_LD
 #undef GV_STAGES
 #undef GV_THREADS
+#undef GV_NLD

@@ -20,33 +20,14 @@
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
-/* r of a row of n from its sum of squares ss (reference/norm.c) */
-MB_DEV float rms_r(float ss, int64_t n) { return mb_rsqrt(ss / (float)n + MB_EPS); }
-
-MB_DEV float rms_store(float *r, int64_t m, int64_t n, float ss) { return r[m] = rms_r(ss, n); }
-
-/* rows [m0, m0 + rows) whole at a row stride of ld floats (ld = 4 mod 32: the 8
- * rows of a quarter-warp's float4 reads fall in distinct banks), w staged with them
- * so that the scaling reads shared memory only */
+/* rows [m0, m0 + rows) whole (chain.h mb_norm_rows), then scaled from there */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
 {
     __shared__ float rr[RN_ROWS];
-    const int tid = threadIdx.x, n4 = (int)(n + 3) / 4 * 4;
-    float *sw = sm + rows * ld;
-    mb_stage_rows(sm, ld, xb, ldx, rows, n4, 0, n, vec, tid, RN_THREADS);
-    mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, RN_THREADS);
-    mb_cp_commit();
-    mb_cp_wait<0>();
-    __syncthreads();
-    if (tid < rows) {
-        const float *t = sm + tid * ld;
-        const int n16 = (int)n / 16 * 16;
-        float acc = mb_chain_tile<true>(0.0f, t, t, n16);
-        for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
-        rr[tid] = rms_store(r, m0 + tid, n, acc);
-    }
-    __syncthreads();
+    const int tid = threadIdx.x;
+    const float *sw = mb_norm_rows(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
+    if (tid < rows) r[m0 + tid] = rr[tid];
     for (int m = 0; m < rows; m++)
         for (int j = tid; j < n; j += RN_THREADS)
             out[(m0 + m) * ldo + j] = (sm[m * ld + j] * rr[m]) * sw[j];
@@ -97,7 +78,7 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
             mb_dot_tree_push(&tree, acc);
             acc = mb_dot_tree_sum(&tree);
         }
-        rms_store(r, m0 + tid, n, acc);
+        r[m0 + tid] = mb_rms_r(acc, n);
     }
     __syncthreads();
 }
