@@ -614,14 +614,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return P * M * N if P > 1 else 0
 
     def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0,
-             conv=None, norm=0):
+             conv=None, norm=0, check=None):
         """Y = X . W^T, plus res (the residual, Y's layout, ld ldy) when given; guard
         (a session's, GEMV paths only) makes a refused step's Y NaN. conv: a one-token
         call's conv step on Y's columns [c0, c0 + C), (c0, C, window, w, bias, u, ldu,
         guard) as mb_conv_step_k takes them: in the GEMV's epilogue (one kernel fewer
         a step), else right after. norm: the weight of an RMSNorm of X's rows that the
         identical GEMV applies first (only where gemv_norm_smem(M, K) is not 0); X is
-        left as it was.
+        left as it was. check: a session step's check (step_guard's arguments) that
+        such a GEMV runs on X, the step's whole input in at most GEMV_MROWS rows.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
@@ -632,9 +633,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             return
         assert not (conv and (res or guard))
         assert not norm or (not fast and self.gemv_norm_smem(M, K))
-        epi = (0,) * 7
+        assert not check or (norm and M <= GEMV_MROWS and check[0] == M * K == M * ldx)
+        epi, host = (0,) * 7, 0
         if conv and (M <= FAST_GEMV_MAX_M if fast else M <= GEMV_MAX_M and K <= LEAF):
             epi, guard, conv = conv[:7], conv[7], None
+        if check:
+            assert guard in (0, check[2])
+            guard, host = check[2], check[3]
         if fast and M <= FAST_GEMV_MAX_M:
             self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
                          M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard, *epi)
@@ -644,22 +649,24 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          TF32_THREADS, M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy,
                          smem=TF32_SMEM)
         else:
-            self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm)
+            self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm,
+                              host)
         if conv:
             c0, C, window, w, bias, u, ldu, cguard = conv
             self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k",
                          (self._grid(M * C),), THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w,
                          bias, u, ldu, cguard)
 
-    def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm=0):
+    def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm=0,
+                     host=0):
         """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none); norm: as
-        gemm's."""
+        gemm's; host: the check's host words (gemm's check)."""
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:
             name, threads = "mb_gemv_k", GEMV_THREADS
             smem = self.gemv_norm_smem(M, K) if norm else self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
-            tail = (norm, res, ldy, guard) + epi
+            tail = (norm, res, ldy, guard, host) + epi
         else:
             assert not guard
             name, bm, bn, threads = (GEMM_RES if res else
@@ -692,6 +699,22 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if not whole:
             self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w,
                          out, n)
+
+    def _norm_gemm(self, s, fast, M, K, X, norm_w, xn, r, N, W, Y, parts, conv=None, keep=False):
+        """A block's RMSNorm of X's M rows of K into xn (r: M floats of scratch), then
+        Y = xn . W^T with gemm's conv: in one decode GEMV where it can and xn is not
+        to be kept (it is then not written), which also runs a session step's check
+        (step_guard) when it holds the whole step in each block."""
+        check = self.step_guard(None)
+        fuse = not fast and not keep and self.gemv_norm_smem(M, K)
+        if fuse and check is not None:
+            fuse = M <= GEMV_MROWS and check[0] == M * K and _ptr(check[1]) == _ptr(X)
+        if not fuse:
+            self.step_guard(check)
+            self._rmsnorm(s, fast, M, K, X, norm_w, xn, r)
+            self.gemm(s, M, N, K, xn, K, W, K, Y, N, parts, fast, conv=conv)
+            return
+        self.gemm(s, M, N, K, X, K, W, K, Y, N, parts, fast, conv=conv, norm=norm_w, check=check)
 
     def step_guard(self, args):
         """Have the next norm this thread launches (the first of a session step's
@@ -772,9 +795,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             xs = b.xs
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xs)
-        self._rmsnorm(s, fast, M, dm, xs, norm_w, b.xn, b.r)
         step = (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None
-        self.gemm(s, M, 2 * di, dm, b.xn, dm, in_proj, dm, b.xz, 2 * di, b.parts, fast, conv=step)
+        self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts, step)
         rows = min(B, 65535)
         if L > 1:
             self._launch(s, pre + "conv_silu_k", (self._grid(_cdiv(L, CONV_RUN) * di), rows),

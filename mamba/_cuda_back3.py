@@ -56,7 +56,7 @@ class Back3Mixin:
             dyd = self._on_device(sc, dy)
             nparts = self._parts(M, NP, dm)
             xd, xn, zx = self._front(s, sc, B, L, None, I, x, dm, norm_w, in_proj, NP,
-                                     sc(nparts) if nparts else 0, fast)
+                                     sc(nparts) if nparts else 0, fast, keep=True)
             # scratch in three lifetimes: sc to the end, mid to the token pass, inner
             # to the chunk pass
             with _Scratch(self, st) as mid:

@@ -135,15 +135,16 @@ class SsdMixin:
         return (self._grid(n), min(B, 65535))
 
     def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast,
-               conv=None):
+               conv=None, keep=False):
         """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows; conv:
-        a one-token call's conv step on zx's columns (gemm's)."""
+        a one-token call's conv step on zx's columns (gemm's). xn holds the normed
+        rows only when kept (keep), else it is M * dm floats of scratch."""
         xd, xn, (zx,) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, (NP,),
-                                         parts, fast, conv)
+                                         parts, fast, conv, keep)
         return xd, xn, zx
 
     def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast,
-                    conv=None):
+                    conv=None, keep=False):
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
         (x, xn, [blocks]). Each output is the same dot product either way. conv goes
@@ -157,6 +158,11 @@ class SsdMixin:
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
                          B, L, dm, I["off"], xd, xs)
         xn = sc(M * dm)
+        if len(widths) == 1:  # the norm may then run in in_proj's GEMV
+            blocks = [sc(M * widths[0])]
+            self._norm_gemm(s, fast, M, dm, xs, norm_w, xn, I["r"], widths[0], in_proj, blocks[0],
+                            parts, conv, keep)
+            return xd, xn, blocks
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
         blocks, col = [], 0
         for n in widths:

@@ -19,8 +19,24 @@ MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long 
  * memory, the number first) for the host to read without a driver call. Once a
  * step is refused the later ones are too, until the host resets g[0]. A step
  * whose norm runs in one block checks its input in that block instead (rmsnorm.cu,
- * fast.cu: one kernel fewer in the step's graph). */
+ * fast.cu), and one whose norm runs in in_proj's GEMV, in each of its blocks
+ * (gemm.cu): one kernel fewer in the step's graph. */
 #define GUARD_LOADS 8
+
+/* A step's check found first (all ones: nothing) with the guard open before it
+ * (open): the guard's words and the host's, by one thread of the step. */
+MB_DEV void mb_guard_report(bool open, unsigned long long first, unsigned long long *g,
+                            volatile unsigned long long *host)
+{
+    if (open && first != ~0ull) {
+        g[0] = first;
+        g[1] = g[2];
+        host[1] = g[2];
+        __threadfence_system();
+        host[0] = first;
+    }
+    g[2] = g[2] + 1;
+}
 
 /* The guard's work, by the threads of one block. */
 MB_DEV void mb_guard_step(int64_t n, const uint32_t *x, unsigned long long *g,
@@ -45,16 +61,7 @@ MB_DEV void mb_guard_step(int64_t n, const uint32_t *x, unsigned long long *g,
                     atomicMin(&first, (unsigned long long)(i0 + u * blockDim.x));
         }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        if (open && first != ~0ull) {
-            g[0] = first;
-            g[1] = g[2];
-            host[1] = g[2];
-            __threadfence_system();
-            host[0] = first;
-        }
-        g[2] = g[2] + 1;
-    }
+    if (threadIdx.x == 0) mb_guard_report(open, first, g, host);
 }
 
 MB_KERNEL void mb_step_guard_k(int64_t n, const uint32_t *x, unsigned long long *g,

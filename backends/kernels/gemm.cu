@@ -230,6 +230,9 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * one leaf): X's rows are RMSNormed here first with weight nw, as mb_rms_k would
  * (each block its own rows: a kernel boundary fewer than the norm's own kernel);
  * they are then held whole, after the ring, GV_NLD(K) floats apart, with nw.
+ * host (with nw, X a decode step's whole input in one block's rows): the step's
+ * check (finite.cu), each block finding a bad value in its copy of X itself and
+ * block 0 reporting it, so that no block waits on another for the verdict.
  * Dynamic shared memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py
  * gemv_smem), with nw GV_STAGES * GV_ROWS * GV_LD + rows * GV_NLD(K) + K rounded up
  * to 4 (gemv_norm_smem). */
@@ -244,7 +247,8 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
 MB_KERNEL void MB_BOUNDS(GV_THREADS)
 mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
           int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *nw, const float *res,
-          int64_t ldr, const unsigned long long *guard, MB_CONV_EPI_ARGS)
+          int64_t ldr, unsigned long long *guard, volatile unsigned long long *host,
+          MB_CONV_EPI_ARGS)
 {
     extern __shared__ __align__(16) float sm[];
     float *Ws = sm, *Xs = sm + GV_STAGES * GV_ROWS * GV_LD;
@@ -276,12 +280,23 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
     __shared__ float rr[GV_MROWS];
+    __shared__ unsigned long long bad; /* the step's check: its first bad index */
+    if (tid == 0) bad = ~0ull;
     if (nw) { /* as rmsnorm.cu rms_whole, into the rows in place */
         const float *sw = mb_norm_rows(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
         for (int m = 0; m < mrows; m++)
-            for (int j = tid; j < K; j += GV_THREADS) Xs[m * xld + j] = (Xs[m * xld + j] * rr[m]) * sw[j];
+            for (int j = tid; j < K; j += GV_THREADS) {
+                const float v = Xs[m * xld + j];
+                if (host && (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u)
+                    atomicMin(&bad, (unsigned long long)(m * K + j));
+                Xs[m * xld + j] = (v * rr[m]) * sw[j];
+            }
         __syncthreads();
     }
+    /* a check's step is refused by its own bad value (which block 0 may not have
+     * reported yet) or by an earlier step's */
+    const bool open = !mb_refused(guard);
+    if (host && blockIdx.x == 0 && tid == 0) mb_guard_report(open, bad, guard, host);
     for (int s = 0; s < GV_STAGES - 1; s++) {
         if (s < chunks && !nw) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
@@ -309,11 +324,12 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
 #undef MB_GV_STAGE
     mb_cp_wait<0>();
     if (live && lane < nrows) {
+        const bool refused = host ? !open || bad != ~0ull : mb_refused(guard);
         const int64_t m = m0 + mw, n = n0 + lane;
         float v = acc;
-        if (res) v = mb_refused(guard) ? MB_QNAN : res[m * ldr + n] + v;
+        if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
         Y[m * ldy + n] = v;
-        conv_epilogue<mb_identical>(m, n, v, !mb_refused(guard), c0, C, window, cw, cb, u, ldu);
+        conv_epilogue<mb_identical>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
     }
 }
 

@@ -1,8 +1,8 @@
 /* The one translation unit nvcc and hipcc compile into the kernel modules
  * the loaders open: every op file, so one module holds every kernel. */
-#include "conv.cu" /* its step runs in the decode GEMVs */
+#include "conv.cu"   /* its step runs in the decode GEMVs */
+#include "finite.cu" /* its guard runs in the norms and the decode GEMV */
 #include "gemm.cu"
-#include "finite.cu" /* its guard runs in the norms */
 #include "rmsnorm.cu"
 #include "scan1.cu"
 #include "residual.cu"
