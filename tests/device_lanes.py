@@ -105,7 +105,7 @@ def frees_during_capture(be, name, monkeypatch):
     the C reference's bits, and the memory is freed."""
     cpu, gpu = make(name, backend="cpu"), make(name, backend="cuda")
     x = rand((2, 4, cpu.d_model), 12)
-    doomed = [be.copy(x), be.new((3,)), gpu.forward(be.copy(x)), be.copy(x)]
+    doomed = [be.copy(x), be.new((3,)), gpu.forward(be.copy(x))]  # a step has 3 launches or more
     dropped = []
     launch = type(be)._launch
 
@@ -121,7 +121,7 @@ def frees_during_capture(be, name, monkeypatch):
             xt = time_slice(x, t, t + 1)
             got += [(f"step {t}", host(sess.step(be.copy(xt))))] + reports_of(gpu, name, t)
             want += [(f"step {t}", raw(cpu.step(xt, st_c)))] + reports_of(cpu, name, t)
-    assert len(dropped) == 4, "every array was dropped during a capture"
+    assert len(dropped) == 3, "every array was dropped during a capture"
     assert not be._released, "frees held back during a capture were run after it"
     assert_same(got + state_of(st_g), want + state_of(st_c), f"{name} frees in capture")
 
