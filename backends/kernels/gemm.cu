@@ -293,10 +293,6 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
             }
         __syncthreads();
     }
-    /* a check's step is refused by its own bad value (which block 0 may not have
-     * reported yet) or by an earlier step's */
-    const bool open = !mb_refused(guard);
-    if (host && blockIdx.x == 0 && tid == 0) mb_guard_report(open, bad, guard, host);
     for (int s = 0; s < GV_STAGES - 1; s++) {
         if (s < chunks && !nw) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
@@ -323,8 +319,12 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
 #undef MB_GV_ISSUE
 #undef MB_GV_STAGE
     mb_cp_wait<0>();
+    /* the guard word is read only here, once the chains are done (a load before them
+     * would hold them up). A check's step is refused by its own bad value, which
+     * block 0 may not have reported yet, or by an earlier step's. */
+    if (host && blockIdx.x == 0 && tid == 0) mb_guard_report(!mb_refused(guard), bad, guard, host);
     if (live && lane < nrows) {
-        const bool refused = host ? !open || bad != ~0ull : mb_refused(guard);
+        const bool refused = (host && bad != ~0ull) || mb_refused(guard);
         const int64_t m = m0 + mw, n = n0 + lane;
         float v = acc;
         if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
