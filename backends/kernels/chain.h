@@ -62,7 +62,9 @@ MB_DEV float mb_sumsq_row(const float *t, int64_t n)
 /* Rows [0, rows) of src (n terms, ldx apart; rows <= the block's threads) staged
  * whole at sm, ld floats apart (ld = 4 mod 32: a quarter-warp's float4 reads of 8
  * rows fall in distinct banks), w after them; rr[i] = r of row i, thread i walking
- * row i's chain. Every thread of the block calls it; returns the staged w. */
+ * row i's chain. Every thread of the block calls it; returns the staged w. The
+ * caller's last PENDING groups of copies committed before it may stay in flight. */
+template <int PENDING>
 MB_DEV const float *mb_norm_rows(float *sm, int ld, const float *src, int64_t ldx, int rows,
                                  int64_t n, bool vec, const float *w, float *rr, int tid,
                                  int nthreads)
@@ -72,7 +74,7 @@ MB_DEV const float *mb_norm_rows(float *sm, int ld, const float *src, int64_t ld
     mb_stage_rows(sm, ld, src, ldx, rows, n4, 0, n, vec, tid, nthreads);
     mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, nthreads);
     mb_cp_commit();
-    mb_cp_wait<0>();
+    mb_cp_wait<PENDING>();
     __syncthreads();
     if (tid < rows) rr[tid] = mb_rms_r(mb_sumsq_row(sm + tid * ld, n), n);
     __syncthreads();

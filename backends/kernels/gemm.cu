@@ -288,7 +288,8 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
     __shared__ unsigned long long bad; /* the step's check: its first bad index */
     if (NORM) { /* as rmsnorm.cu rms_whole, into the rows in place */
         if (tid == 0) bad = ~0ull;
-        const float *sw = mb_norm_rows(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
+        mb_cp_commit(); /* the weights' first stage, left in flight while the norm runs */
+        const float *sw = mb_norm_rows<1>(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
         for (int m = 0; m < mrows; m++)
             for (int j = tid; j < K; j += GV_THREADS) {
                 const float v = Xs[m * xld + j];

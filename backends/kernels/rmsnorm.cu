@@ -26,7 +26,7 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
 {
     __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
-    const float *sw = mb_norm_rows(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
+    const float *sw = mb_norm_rows<0>(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
     if (tid < rows) r[m0 + tid] = rr[tid];
     for (int m = 0; m < rows; m++)
         for (int j = tid; j < n; j += RN_THREADS)
