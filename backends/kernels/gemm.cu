@@ -280,16 +280,24 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
     MB_GV_STAGE(c, Ws, Wb, ldw, nrows, vw, GV_ROWS)                                   \
     if (!NORM) MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
     /* the weights' first stages are copied while the previous kernel may still run;
-     * they join the first stage's group of copies */
-    for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
-        MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
+     * they join the first stage's group of copies. With the norm they are copied
+     * after X's rows instead, and land while its chains run (groups complete in
+     * order). */
+    if (!NORM)
+        for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
+            MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
     __shared__ float rr[GV_MROWS];
     __shared__ unsigned long long bad; /* the step's check: its first bad index */
     if (NORM) { /* as rmsnorm.cu rms_whole, into the rows in place */
         if (tid == 0) bad = ~0ull;
-        mb_cp_commit(); /* the weights' first stage, left in flight while the norm runs */
-        const float *sw = mb_norm_rows<1>(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
+        const float *sw = mb_norm_stage(Xs, xld, Xb, ldx, mrows, K, vx, nw, tid, GV_THREADS);
+        mb_cp_commit();
+        for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
+            MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
+        mb_cp_commit();
+        mb_cp_wait<1>();
+        mb_norm_r(Xs, xld, mrows, K, rr, tid);
         for (int m = 0; m < mrows; m++)
             for (int j = tid; j < K; j += GV_THREADS) {
                 const float v = Xs[m * xld + j];

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <vector>
 
 #define __global__ __attribute__((used)) /* build.py lists the kernels by this mark */
 #define __device__
@@ -30,6 +31,39 @@ extern "C" uint64_t mb_emu_lane[];  /* one exchange word per thread of the block
 extern "C" void mb_emu_fault(const char *what);
 #define MB_CHECK_ALIGNED16(p) \
     if ((uintptr_t)(p) & 15) mb_emu_fault("a 16-byte copy at a misaligned address: " #p)
+
+/* cp.async as the hardware may run it: a thread's copies land only when one of its
+ * waits covers their group (vendor.h mb_cp_wait), so a kernel that reads a copy's
+ * destination before that reads what was there before. mb_emu_cp_reset forgets a
+ * finished block's copies. */
+#define MB_EMU_CP_ASYNC
+struct mb_emu_copy { float *dst; const float *src; int bytes, floats, group; };
+extern std::vector<mb_emu_copy> mb_emu_copies[]; /* per thread of the block (fibers.cpp) */
+extern int mb_emu_commits[];
+void mb_emu_cp_reset(unsigned threads);
+static inline void mb_cp_async16(float *dst, const float *src, int src_bytes)
+{
+    MB_CHECK_ALIGNED16(dst);
+    MB_CHECK_ALIGNED16(src);
+    mb_emu_copies[threadIdx.x].push_back({dst, src, src_bytes, 4, mb_emu_commits[threadIdx.x]});
+}
+static inline void mb_cp_async4(float *dst, const float *src, int src_bytes)
+{
+    mb_emu_copies[threadIdx.x].push_back({dst, src, src_bytes, 1, mb_emu_commits[threadIdx.x]});
+}
+static inline void mb_cp_commit() { mb_emu_commits[threadIdx.x]++; }
+template <int N> static inline void mb_cp_wait()
+{
+    std::vector<mb_emu_copy> &q = mb_emu_copies[threadIdx.x], left;
+    for (const mb_emu_copy &c : q) {
+        if (c.group >= mb_emu_commits[threadIdx.x] - N) { /* uncommitted, or among the N newest */
+            left.push_back(c);
+            continue;
+        }
+        for (int i = 0; i < c.floats; i++) c.dst[i] = 4 * i < c.bytes ? c.src[i] : 0.0f;
+    }
+    q.swap(left);
+}
 
 /* Counts the threads that pass it: the driver checks that a kernel launched as a
  * programmatic dependent waits in every thread (vendor.h). */

@@ -145,6 +145,13 @@ extern "C" unsigned long long mb_emu_grid_waits;
 unsigned long long mb_emu_grid_waits;
 extern "C" void mb_emu_grid_wait(void) { mb_emu_grid_waits++; }
 
+std::vector<mb_emu_copy> mb_emu_copies[MAX_THREADS]; /* builtins.h's cp.async */
+int mb_emu_commits[MAX_THREADS];
+void mb_emu_cp_reset(unsigned threads)
+{
+    for (unsigned t = 0; t < threads; t++) mb_emu_copies[t].clear(), mb_emu_commits[t] = 0;
+}
+
 static const char *fault;
 extern "C" void mb_emu_fault(const char *what)
 {
@@ -171,6 +178,7 @@ extern "C" const char *mb_emu_launch(void (*run)(void **), void **args, unsigned
         for (unsigned y = 0; y < gy; y++)
             for (unsigned x = 0; x < gx; x++) {
                 blockIdx = {x, y, z};
+                mb_emu_cp_reset(bx);
                 if (!run_block(bx, (odd + x + y + z) & 1)) {
                     snprintf(error, sizeof error, "block (%u, %u, %u) deadlocked: threads wait "
                              "at barriers that not every live thread reaches", x, y, z);
