@@ -54,8 +54,8 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_norm_k",
-           "mb_dot_fold_k", "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_fold_k",
+           "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
@@ -64,8 +64,7 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_gemv_
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
 WAITS = frozenset((
-    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_gemv_norm_k",
-    "mb_dot_fold_k",
+    "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
     "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
     "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
     "mb_m2_step_cb_k", "mb_m2_step_y_k",
@@ -298,8 +297,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return 4 * GEMV_STAGES * (GEMV_ROWS + GEMV_MROWS) * (self.gemv_kc + 4)
 
     def gemv_norm_smem(self, M, K):
-        """Bytes of dynamic shared memory of mb_gemv_norm_k on M rows of K terms
-        (gemm.cu: the weights' ring, then a block's rows whole, then the norm's
+        """Bytes of dynamic shared memory of mb_gemv_k normalizing M rows of K terms
+        itself (gemm.cu: the weights' ring, then a block's rows whole, then the norm's
         weight); 0 where that is more than a kernel may ask for, or K spans leaves."""
         n = (GEMV_STAGES * GEMV_ROWS * (self.gemv_kc + 4) + min(M, GEMV_MROWS) * (_cdiv(K, 32) * 32 + 4)
              + _cdiv(K, 4) * 4)
@@ -330,8 +329,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
         self.fn = {k: self._ck(cu.cuModuleGetFunction(mod, k.encode()), k) for k in KERNELS}
-        big = {"mb_gemv_k": self.gemv_smem, "mb_gemv_norm_k": self.smem_optin,
-               "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
+        big = {"mb_gemv_k": self.smem_optin, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
             self._allow_smem(k, smem)
         props = cu.CUmemPoolProps()
@@ -665,7 +663,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         gemm's; host: the check's host words (gemm's check)."""
         P = _cdiv(K, LEAF)
         if M <= GEMV_MAX_M:
-            name, threads = "mb_gemv_norm_k" if norm else "mb_gemv_k", GEMV_THREADS
+            name, threads = "mb_gemv_k", GEMV_THREADS
             smem = self.gemv_norm_smem(M, K) if norm else self.gemv_smem
             grid = (_cdiv(N, GEMV_ROWS), _cdiv(M, GEMV_MROWS), P)
             tail = (norm, res, ldy, guard, host) + epi

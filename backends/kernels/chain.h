@@ -1,7 +1,6 @@
 /* dot v1's serial chain over a tile staged in shared memory (mb_stage_rows): the
  * decode GEMV and the RMSNorm sum of squares walk it; and RMSNorm rows held whole
- * in shared memory (mb_norm_stage, mb_norm_r), which rmsnorm.cu and the decode GEMV
- * share. */
+ * in shared memory (mb_norm_rows), which rmsnorm.cu and the decode GEMV share. */
 #ifndef MB_CHAIN_H
 #define MB_CHAIN_H
 
@@ -60,27 +59,24 @@ MB_DEV float mb_sumsq_row(const float *t, int64_t n)
     return acc;
 }
 
-/* RMSNorm rows held whole in shared memory, in two parts so that the caller may
- * order other copies around the staging. mb_norm_stage: rows [0, rows) of src (n
- * terms, ldx apart) copied to sm, ld floats apart (ld = 4 mod 32: a quarter-warp's
- * float4 reads of 8 rows fall in distinct banks), w after them (returned), by the
- * block's threads, uncommitted. mb_norm_r, once those have landed: rr[i] = r of row
- * i (rows <= the block's threads), thread i walking row i's chain. */
-MB_DEV const float *mb_norm_stage(float *sm, int ld, const float *src, int64_t ldx, int rows,
-                                  int64_t n, bool vec, const float *w, int tid, int nthreads)
+/* Rows [0, rows) of src (n terms, ldx apart; rows <= the block's threads) staged
+ * whole at sm, ld floats apart (ld = 4 mod 32: a quarter-warp's float4 reads of 8
+ * rows fall in distinct banks), w after them; rr[i] = r of row i, thread i walking
+ * row i's chain. Every thread of the block calls it; returns the staged w. */
+MB_DEV const float *mb_norm_rows(float *sm, int ld, const float *src, int64_t ldx, int rows,
+                                 int64_t n, bool vec, const float *w, float *rr, int tid,
+                                 int nthreads)
 {
     const int n4 = (int)(n + 3) / 4 * 4;
     float *sw = sm + rows * ld;
     mb_stage_rows(sm, ld, src, ldx, rows, n4, 0, n, vec, tid, nthreads);
     mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, nthreads);
-    return sw;
-}
-
-MB_DEV void mb_norm_r(const float *sm, int ld, int rows, int64_t n, float *rr, int tid)
-{
+    mb_cp_commit();
+    mb_cp_wait<0>();
     __syncthreads();
     if (tid < rows) rr[tid] = mb_rms_r(mb_sumsq_row(sm + tid * ld, n), n);
     __syncthreads();
+    return sw;
 }
 
 #endif

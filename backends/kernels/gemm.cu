@@ -226,16 +226,16 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
  * Y = res + chain, NaN when the session guard refused the step; a decode step's
- * conv (conv.cu conv_epilogue) may run on the outputs' conv columns.
- * mb_gemv_norm_k (one leaf): X's rows are RMSNormed first with weight nw, as
- * mb_rms_k would (each block its own rows: a kernel boundary fewer than the norm's);
+ * conv (conv.cu conv_epilogue) may run on the outputs' conv columns. nw (optional,
+ * one leaf): X's rows are RMSNormed here first with weight nw, as mb_rms_k would
+ * (each block its own rows: a kernel boundary fewer than the norm's own kernel);
  * they are then held whole, after the ring, GV_NLD(K) floats apart, with nw.
- * host (there, X a decode step's whole input in one block's rows): the step's
+ * host (with nw, X a decode step's whole input in one block's rows): the step's
  * check (finite.cu), each block finding a bad value in its copy of X itself and
  * block 0 reporting it, so that no block waits on another for the verdict.
  * Dynamic shared memory: GV_STAGES * (GV_ROWS + GV_MROWS) * GV_LD floats (_cuda.py
- * gemv_smem); mb_gemv_norm_k's GV_STAGES * GV_ROWS * GV_LD + rows * GV_NLD(K) + K
- * rounded up to 4 (gemv_norm_smem). */
+ * gemv_smem), with nw GV_STAGES * GV_ROWS * GV_LD + rows * GV_NLD(K) + K rounded up
+ * to 4 (gemv_norm_smem). */
 #define GV_ROWS 32
 #define GV_MROWS 8
 #define GV_KC MB_GEMV_KC
@@ -244,20 +244,15 @@ MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
 #define GV_THREADS 256
 #define GV_NLD(K) (((K) + 31) / 32 * 32 + 4) /* 4 mod 32: as rmsnorm.cu's whole rows */
 
-#define MB_GEMV_ARGS                                                                  \
-    int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W, int64_t ldw, \
-        float *Y, int64_t ldy, int64_t ldleaf, const float *nw, const float *res, int64_t ldr, \
-        unsigned long long *guard, volatile unsigned long long *host, MB_CONV_EPI_ARGS
-#define MB_GEMV_PASS                                                                  \
-    M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, nw, res, ldr, guard, host, c0, C, window, cw, cb, \
-        u, ldu
-
-/* NORM: mb_gemv_norm_k (nw given), else mb_gemv_k, whose code has none of the norm's */
-template <bool NORM>
-MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
+MB_KERNEL void MB_BOUNDS(GV_THREADS)
+mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,
+          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *nw, const float *res,
+          int64_t ldr, unsigned long long *guard, volatile unsigned long long *host,
+          MB_CONV_EPI_ARGS)
 {
+    extern __shared__ __align__(16) float sm[];
     float *Ws = sm, *Xs = sm + GV_STAGES * GV_ROWS * GV_LD;
-    const int xld = NORM ? (int)GV_NLD(K) : GV_LD; /* X's row stride: whole rows, or the ring's */
+    const int xld = nw ? (int)GV_NLD(K) : GV_LD; /* X's row stride: whole rows, or the ring's */
     const int tid = threadIdx.x, lane = tid % 32, mw = tid / 32;
     const int64_t n0 = (int64_t)blockIdx.x * GV_ROWS, m0 = (int64_t)blockIdx.y * GV_MROWS;
     const int64_t k0 = (int64_t)blockIdx.z * MB_DOT_LEAF;
@@ -278,26 +273,17 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
                       k0 + (int64_t)(c) * GV_KC, k1, vec, ltid, lthreads);
 #define MB_GV_ISSUE(c)                                                                \
     MB_GV_STAGE(c, Ws, Wb, ldw, nrows, vw, GV_ROWS)                                   \
-    if (!NORM) MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+    if (!nw) MB_GV_STAGE(c, Xs, Xb, ldx, mrows, vx, GV_MROWS)
     /* the weights' first stages are copied while the previous kernel may still run;
-     * they join the first stage's group of copies. With the norm they are copied
-     * after X's rows instead, and land while its chains run (groups complete in
-     * order). */
-    if (!NORM)
-        for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
-            MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
+     * they join the first stage's group of copies */
+    for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
+        MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
     __shared__ float rr[GV_MROWS];
     __shared__ unsigned long long bad; /* the step's check: its first bad index */
-    if (NORM) { /* as rmsnorm.cu rms_whole, into the rows in place */
-        if (tid == 0) bad = ~0ull;
-        const float *sw = mb_norm_stage(Xs, xld, Xb, ldx, mrows, K, vx, nw, tid, GV_THREADS);
-        mb_cp_commit();
-        for (int s = 0; s < GV_STAGES - 1 && s < chunks; s++)
-            MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
-        mb_cp_commit();
-        mb_cp_wait<1>();
-        mb_norm_r(Xs, xld, mrows, K, rr, tid);
+    if (tid == 0) bad = ~0ull;
+    if (nw) { /* as rmsnorm.cu rms_whole, into the rows in place */
+        const float *sw = mb_norm_rows(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
         for (int m = 0; m < mrows; m++)
             for (int j = tid; j < K; j += GV_THREADS) {
                 const float v = Xs[m * xld + j];
@@ -308,7 +294,7 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
         __syncthreads();
     }
     for (int s = 0; s < GV_STAGES - 1; s++) {
-        if (s < chunks && !NORM) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
+        if (s < chunks && !nw) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
     }
     float acc = 0.0f;
@@ -321,7 +307,7 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
         if (live) {
             const int slot = c % GV_STAGES;
             const float *w = Ws + (slot * GV_ROWS + lane) * GV_LD;
-            const float *x = NORM ? Xs + mw * xld + (int64_t)c * GV_KC
+            const float *x = nw ? Xs + mw * xld + (int64_t)c * GV_KC
                                 : Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
             if (kn >= GV_KC)
@@ -336,10 +322,9 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
     /* the guard word is read only here, once the chains are done (a load before them
      * would hold them up). A check's step is refused by its own bad value, which
      * block 0 may not have reported yet, or by an earlier step's. */
-    if (NORM && host && blockIdx.x == 0 && tid == 0)
-        mb_guard_report(!mb_refused(guard), bad, guard, host);
+    if (host && blockIdx.x == 0 && tid == 0) mb_guard_report(!mb_refused(guard), bad, guard, host);
     if (live && lane < nrows) {
-        const bool refused = (NORM && host && bad != ~0ull) || mb_refused(guard);
+        const bool refused = (host && bad != ~0ull) || mb_refused(guard);
         const int64_t m = m0 + mw, n = n0 + lane;
         float v = acc;
         if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
@@ -347,21 +332,6 @@ MB_DEV void gemv(float *sm, MB_GEMV_ARGS)
         conv_epilogue<mb_identical>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
     }
 }
-
-MB_KERNEL void MB_BOUNDS(GV_THREADS) mb_gemv_k(MB_GEMV_ARGS)
-{
-    extern __shared__ __align__(16) float sm[];
-    gemv<false>(sm, MB_GEMV_PASS);
-}
-
-MB_KERNEL void MB_BOUNDS(GV_THREADS) mb_gemv_norm_k(MB_GEMV_ARGS)
-{
-    extern __shared__ __align__(16) float sm[];
-    gemv<true>(sm, MB_GEMV_PASS);
-}
-
-#undef MB_GEMV_ARGS
-#undef MB_GEMV_PASS
 
 /* Join P leaf results per output with mb_dot's tree (parts[p * ldp + m * N + n]);
  * res and guard as in mb_gemv_k. */

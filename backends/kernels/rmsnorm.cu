@@ -20,16 +20,13 @@
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
 
-/* rows [m0, m0 + rows) whole (chain.h mb_norm_stage), then scaled from there */
+/* rows [m0, m0 + rows) whole (chain.h mb_norm_rows), then scaled from there */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
 {
     __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
-    const float *sw = mb_norm_stage(sm, ld, xb, ldx, rows, n, vec, w, tid, RN_THREADS);
-    mb_cp_commit();
-    mb_cp_wait<0>();
-    mb_norm_r(sm, ld, rows, n, rr, tid);
+    const float *sw = mb_norm_rows(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
     if (tid < rows) r[m0 + tid] = rr[tid];
     for (int m = 0; m < rows; m++)
         for (int j = tid; j < n; j += RN_THREADS)
