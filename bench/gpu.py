@@ -99,6 +99,11 @@ def session_rates(blk, B, dm, n=300):
                     be.cu.cuGraphLaunch(run.exec, s)
             out["graph_us"] = events_ms(replay) / n * 1e3
         out["kernels_ms"] = kernel_table(lambda: sess.step(xs[0]))
+        if B == 1:
+            try:
+                out["timeline"] = kernel_timeline(lambda: sess.step(xs[0]))
+            except Exception as e:  # the profiler's event API differs between torch versions
+                out["timeline"] = repr(e)
     del y
     return out
 
@@ -131,6 +136,27 @@ def kernel_table(fn):
         if t > 0:
             out[e.key] = t / 1e3  # ms
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def kernel_timeline(fn, calls=2):
+    """The device work of the last of `calls` calls of fn (kernels and copies, a
+    replayed graph's too), each as (name, start us, end us) from that call's first
+    start, by torch's profiler; fn must issue the same work each call."""
+    from torch.profiler import profile, ProfilerActivity
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    ev = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                if e.device_type() == cuda)
+    if not ev or len(ev) % calls:
+        return None
+    last = ev[-len(ev) // calls:]
+    t0 = last[0][0]
+    return [(n, (a - t0) / 1e3, (b - t0) / 1e3) for a, b, n in last]
 
 
 SHAPES = {"W1": (1, 2048, 384), "W2": (8, 4096, 1024), "W3": (1, 16384, 2048)}
@@ -279,6 +305,11 @@ def decode_rows(res, kinds):
                                  if "graph_us" in r else "") + "; kernels (ms): " + ", ".join(
                           f"{k} {v:.4f}" for k, v in list(r["kernels_ms"].items())[:6]),
                       flush=True)
+                tl = r.get("timeline")
+                if tl is not None:  # start-end us of each kernel and copy of one step
+                    print(f"timeline {kind} {mode} B {b}: " + (tl if isinstance(tl, str) else
+                          " | ".join(f"{n.split('(')[0]} {a:.1f}-{e:.1f}" for n, a, e in tl)),
+                          flush=True)
 
 
 def main():
