@@ -63,9 +63,10 @@ def reachable_targets():
     hipcc = shutil.which("hipcc") or shutil.which("hipcc", path=os.path.join(rocm, "bin"))
     if hipcc is None:
         return None
+    env = {**os.environ, "HIP_PLATFORM": "amd"}  # as meson runs it (backends/meson.build)
     return {t for t in MACH if subprocess.run(
         [hipcc, "--genco", f"--offload-arch={t}", "-x", "hip", os.devnull, "-o", os.devnull],
-        capture_output=True).returncode == 0}
+        capture_output=True, env=env).returncode == 0}
 
 
 def test_code_objects_for_every_reachable_target():
