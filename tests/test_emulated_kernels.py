@@ -547,6 +547,17 @@ def test_sabotaged_kernel_is_caught(be, monkeypatch):
     assert lane_forward(make("mamba1", backend="cuda"), "mamba1") != want
 
 
+def test_copies_land_at_their_wait(be):
+    """The emulated cp.async lands a copy only at a wait that covers its group: built
+    to leave one group more in flight at every wait, the GEMV's ring (K over several
+    stages) reads stages not yet landed and misses the C reference's bits."""
+    M, N, K = 3, 40, 1031
+    X, W = rand((M, K), 70), rand((N, K), 71)
+    want = raw(_core._gemm(X, W, M, N, K))
+    assert raw(be._gemm(X, W, M, N, K)) == want
+    assert raw(emu.backend(("MB_EMU_WAIT_SLACK=1",))._gemm(X, W, M, N, K)) != want
+
+
 def test_every_kernel_ran(be, request):
     """Every kernel in the library (all but fast.cu's TF32 GEMM, which the HIP spelling
     leaves out) was launched by this module's tests, which run before this one."""

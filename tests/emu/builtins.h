@@ -35,8 +35,12 @@ extern "C" void mb_emu_fault(const char *what);
 /* cp.async as the hardware may run it: a thread's copies land only when one of its
  * waits covers their group (vendor.h mb_cp_wait), so a kernel that reads a copy's
  * destination before that reads what was there before. mb_emu_cp_reset forgets a
- * finished block's copies. */
+ * finished block's copies. MB_EMU_WAIT_SLACK (a test's negative control) leaves
+ * that many more groups in flight at every wait. */
 #define MB_EMU_CP_ASYNC
+#ifndef MB_EMU_WAIT_SLACK
+#define MB_EMU_WAIT_SLACK 0
+#endif
 struct mb_emu_copy { float *dst; const float *src; int bytes, floats, group; };
 extern std::vector<mb_emu_copy> mb_emu_copies[]; /* per thread of the block (fibers.cpp) */
 extern int mb_emu_commits[];
@@ -56,7 +60,8 @@ template <int N> static inline void mb_cp_wait()
 {
     std::vector<mb_emu_copy> &q = mb_emu_copies[threadIdx.x], left;
     for (const mb_emu_copy &c : q) {
-        if (c.group >= mb_emu_commits[threadIdx.x] - N) { /* uncommitted, or among the N newest */
+        /* uncommitted, or among the N newest committed groups */
+        if (c.group >= mb_emu_commits[threadIdx.x] - N - MB_EMU_WAIT_SLACK) {
             left.push_back(c);
             continue;
         }
