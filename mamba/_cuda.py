@@ -304,6 +304,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
              + _cdiv(K, 4) * 4)
         return 4 * n if K <= LEAF and M <= GEMV_MAX_M and 4 * n <= self.smem_optin else 0
 
+    def norm_in_gemv(self, fast, M, K):
+        """Whether an RMSNorm of M rows of K feeding a projection runs inside its
+        GEMV (identical mode, where gemv_norm_smem allows)."""
+        return not fast and self.gemv_norm_smem(M, K) > 0
+
     @property
     def norm_smem(self):
         """Bytes of dynamic shared memory of mb_rms_k (rmsnorm.cu)."""
@@ -632,7 +637,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if M == 0 or N == 0:
             return
         assert not (conv and (res or guard))
-        assert not norm or (not fast and self.gemv_norm_smem(M, K))
+        assert not norm or self.norm_in_gemv(fast, M, K)
         assert not check or (norm and M <= GEMV_MROWS and check[0] == M * K == M * ldx)
         epi, host = (0,) * 7, 0
         if conv and (M <= FAST_GEMV_MAX_M if fast else M <= GEMV_MAX_M and K <= LEAF):
@@ -706,7 +711,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         to be kept (it is then not written), which also runs a session step's check
         (step_guard) when it holds the whole step in each block."""
         check = self.step_guard(None)
-        fuse = not fast and not keep and self.gemv_norm_smem(M, K)
+        fuse = not keep and self.norm_in_gemv(fast, M, K)
         if fuse and check is not None:
             fuse = M <= GEMV_MROWS and check[0] == M * K and _ptr(check[1]) == _ptr(X)
         if not fuse:
@@ -824,7 +829,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         where it fits (yg is then left as it was), else in place (r: M floats)."""
         norm = 0
         if gnorm is not None:
-            if not fast and self.gemv_norm_smem(M, di):
+            if self.norm_in_gemv(fast, M, di):
                 norm = gnorm[0]
             else:
                 self._rmsnorm(s, fast, M, di, yg, gnorm[0], yg, gnorm[1])

@@ -351,7 +351,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
             for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
             if (lane == 0) rr[wp] = rsqrtf(s / (float)SSD_NS + MB_EPS);
         } else if (lane == 0) {
-            rr[wp] = mb_rms_r(mb_chain_tile<true>(0.0f, x, x, SSD_NS), SSD_NS);
+            rr[wp] = mb_rms_r(mb_sumsq_row(x, SSD_NS), SSD_NS);
         }
     }
     __syncthreads();
