@@ -236,9 +236,10 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
 
 
 def train_rows(be, res, kinds, upstream_ok):
-    """Forward + backward at W2: ours in both modes (forward, then backward, which
-    recomputes the forward inside) and upstream's through torch autograd, TF32 off and
-    on."""
+    """Forward + backward at W2: ours in both modes, as forward then backward (which
+    recomputes the forward inside) and as vjp then its pullback (which keeps the
+    forward's activations where the backend can), and upstream's through torch
+    autograd, TF32 off and on."""
     B, L, dm = SHAPES["W2"]
     for kind in kinds:
         w = mamba.random_weights(kind, dm, seed=0)
@@ -251,8 +252,13 @@ def train_rows(be, res, kinds, upstream_ok):
             def ours():
                 y = blk.forward(x)
                 return y, blk.backward(x, dy)
+            def ours_vjp():
+                y, pullback = blk.vjp(x)
+                return y, pullback(dy)
             row[mode + "_ms"] = events_ms(ours, warm=1, reps=3)
             row[mode + "_peak_mib"] = pool_peak_mib(be, ours)
+            row[mode + "_vjp_ms"] = events_ms(ours_vjp, warm=1, reps=3)
+            row[mode + "_vjp_peak_mib"] = pool_peak_mib(be, ours_vjp)
             row[mode + "_backward_kernels_ms"] = kernel_table(lambda: blk.backward(x, dy))
             del blk
         if upstream_ok:

@@ -16,7 +16,7 @@ except ImportError as e:  # the source checkout shadows the installed package
                       "command); otherwise reinstall with `pip install .`") from e
 from ._backends import backends
 from ._cuda import stream
-from .blocks import DecodeSession
+from .blocks import DecodeSession, Pullback
 from .block1 import Mamba1Block, Mamba1State
 from .block2 import Mamba2Block, Mamba2State
 from .block3 import Mamba3Block, Mamba3State
@@ -33,6 +33,6 @@ def asarray(obj, shape=None):
     return a.reshape(tuple(shape)) if shape is not None else a
 
 
-__all__ = ["Array", "empty", "zeros", "asarray", "backends", "stream", "DecodeSession",
+__all__ = ["Array", "empty", "zeros", "asarray", "backends", "stream", "DecodeSession", "Pullback",
            "Mamba1Block", "Mamba1State", "Mamba2Block", "Mamba2State", "Mamba3Block", "Mamba3State",
            "random_weights", "lowbit"]

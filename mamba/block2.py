@@ -129,6 +129,9 @@ class Mamba2Block(_HeadedBlock):
         self._backend.m2_backward(w, self.d_model, self.dt_limit, x, dy, gx, gw,
                                   fast=self.numeric_mode == "fast")
 
+    def _vjp_kernel(self, keep, w, x, y):
+        return keep(w, self.d_model, self.dt_limit, x, y, fast=self.numeric_mode == "fast")
+
     def _kernel(self, w, x, pieces, state, y, lengths):
         be = self._backend
         counts = be.m2_forward(w, self.d_model, self.dt_limit, x, pieces,

@@ -1,6 +1,7 @@
 """What the three blocks share: construction, state checks, forward/step plumbing
 and the decode session. Each block file adds its weights, state layout and kernel."""
 import os
+from types import SimpleNamespace
 
 from . import _core, _intake as chk
 from . import _backends
@@ -187,21 +188,69 @@ class _Block:
         backend; docs/numerics.md gives each reduction's order. In fast mode a GPU
         with tensor cores takes the projections in TF32: every gradient within fast
         mode's accuracy bound, the same bits on every run of that GPU, not the CPU's.
+        vjp keeps the forward's activations instead of recomputing them.
         """
         what = type(self).__name__ + ".backward"
         x = chk.tokens(x, what, self.d_model, False)
-        dy = chk.f32(grad_output, what, "grad_output")
-        chk.shape(dy, what, "grad_output", x.shape)
-        settle = chk.finite_later([(x, "x", 0), (dy, "grad_output", 0)], what)
-        be = self._backend
-        if not hasattr(be, self._KIND + "_backward"):
-            raise NotImplementedError(f"mamba {what}: backward is not available on the "
-                                      f"{be.name} backend yet")
+        self._backward_backend(what)
+        w = self._dev_w
+        return self._gradients(what, x, grad_output, lambda *a: self._backward_kernel(w, x, *a))
+
+    def vjp(self, x):
+        """(y, pullback): a zero-state prefill's output and its backward.
+
+        y is forward(x) (its bits in identical mode); pullback(grad_output) returns
+        what backward(x, grad_output) returns, bit for bit, for the x and weights of
+        this call, and may be called any number of times. Where the backend keeps the
+        forward's activations (the CUDA backend's Mamba-2), the pullback does not run
+        the forward again: it holds that memory (about 2.5 GiB at B 8, L 4096,
+        d_model 1024) until it is dropped or closed. Elsewhere it holds a copy of x
+        and recomputes. Like backward, it leaves the block's reports and any state
+        alone. Edit weights in place (CPU) only after the last pullback call; on a
+        GPU, refresh_weights does not affect an existing pullback.
+        """
+        what = type(self).__name__ + ".vjp"
+        x = chk.tokens(x, what, self.d_model, False)
+        self._backward_backend(what)
+        be, w = self._backend, self._dev_w
+        like = SimpleNamespace(shape=x.shape, device=x.device)  # the gradients' shape and place
+        keep = getattr(be, self._KIND + "_vjp", None)
+        settle = chk.finite_later([(x, "x", 0)], what)
+        if keep is None:
+            settle()
+            saved = dict(self.__dict__)
+            try:
+                y = self.forward(x)
+            finally:  # the reports stay as they were
+                self.__dict__.clear()
+                self.__dict__.update(saved)
+            xs = be.copy(x)  # complete on return: the pullback may run on any stream
+            return y, Pullback(self, like, lambda *a: self._backward_kernel(w, xs, *a))
         if x.device == "cpu":
             settle()
+        y = be.empty(x.shape, like=x)
+        kept = []
+        self._run_checked(settle, lambda: kept.append(self._vjp_kernel(keep, w, x, y)))
+        return y, Pullback(self, like, kept[0].backward)
+
+    def _backward_backend(self, what):
+        if not hasattr(self._backend, self._KIND + "_backward"):
+            raise NotImplementedError(f"mamba {what}: backward is not available on the "
+                                      f"{self._backend.name} backend yet")
+
+    def _gradients(self, what, x, grad_output, run, x_checked=False):
+        """run(dy, gx, gw) after grad_output's checks (and x's unless x_checked: x
+        then only gives the shape and place); the gradients' dict."""
+        dy = chk.f32(grad_output, what, "grad_output")
+        chk.shape(dy, what, "grad_output", x.shape)
+        settle = chk.finite_later(([] if x_checked else [(x, "x", 0)]) + [(dy, "grad_output", 0)],
+                                  what)
+        if x.device == "cpu":
+            settle()
+        be = self._backend
         gx = be.empty(x.shape, like=x)
         gw = tuple(be.empty(a.shape, like=x) for a in self._w)
-        self._run_checked(settle, self._backward_kernel, self._dev_w, x, dy, gx, gw)
+        self._run_checked(settle, run, dy, gx, gw)
         return dict(zip(("x",) + self._W_NAMES, (gx,) + gw))
 
     def decode_session(self, state):
@@ -337,6 +386,24 @@ class DecodeSession:
 
     def __repr__(self):
         return f"DecodeSession(block={type(self._block).__name__}, open={self._open}, rows={self._b})"
+
+
+class Pullback:
+    """The backward of one forward, from a block's vjp: pullback(grad_output) returns
+    backward's dict of gradients for that forward. close() (or dropping it) frees
+    what it holds."""
+
+    def __init__(self, block, like, run):
+        self._block, self._like, self._run = block, like, run
+
+    def __call__(self, grad_output):
+        what = type(self._block).__name__ + ".vjp pullback"
+        if self._run is None:
+            raise ValueError(f"mamba {what}: the pullback is closed")
+        return self._block._gradients(what, self._like, grad_output, self._run, x_checked=True)
+
+    def close(self):
+        self._run = None
 
 
 def _state_batch(block, state, what):

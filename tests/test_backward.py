@@ -152,3 +152,53 @@ def test_backward_x_gradient_of_a_row_is_the_row_alone(name):
         assert alone[0].tobytes() == both[b].tobytes()
     other = np.asarray(blk.backward(x[::-1].copy(), dy[::-1].copy())["x"])
     assert other[0].tobytes() != both[0].tobytes()  # negative control
+
+
+def _reports(blk):
+    names = [n for n in ("h_last_", "k_last_", "v_last_", "theta_last_") if hasattr(type(blk), n)]
+    return {n: np.asarray(getattr(blk, n)).tobytes() for n in names}
+
+
+@pytest.mark.parametrize("name", [n for n in BLOCKS])
+def test_vjp_is_forward_then_backward(name):
+    """vjp(x): forward(x)'s bits and a pullback that gives backward(x, dy)'s bits on
+    every call, from its own copy of x; the block's reports stay those of the call
+    before."""
+    blk, x, dy = _small(name)
+    y_want, g_want = np.asarray(blk.forward(x)).tobytes(), blk.backward(x, dy)
+    blk.forward(x[:1, :5])
+    reports = _reports(blk)
+    xc = x.copy()
+    y, pullback = blk.vjp(xc)
+    xc[:] = 0.0
+    assert isinstance(pullback, mamba.Pullback)
+    assert np.asarray(y).tobytes() == y_want
+    assert _reports(blk) == reports
+    for _ in range(2):
+        got = pullback(dy)
+        assert set(got) == set(g_want)
+        for k in g_want:
+            assert np.asarray(got[k]).tobytes() == np.asarray(g_want[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("name", [n for n in BLOCKS])
+def test_vjp_refusals(name):
+    """Non-finite x at vjp, and a pullback's bad grad_output or closed pullback, are
+    refused naming what is wrong."""
+    dm = BLOCKS[name]["d_model"]
+    blk = BLOCKS[name]["cls"](mamba.random_weights(name, dm), backend="cpu")
+    x = np.zeros((1, 3, dm), np.float32)
+    bad = x.copy()
+    bad[0, 2, 1] = np.inf
+    with pytest.raises(ValueError, match=f"vjp: x holds a non-finite value .* flat index {2 * dm + 1}"):
+        blk.vjp(bad)
+    _, pullback = blk.vjp(x)
+    with pytest.raises(ValueError, match="pullback: grad_output holds a non-finite value"):
+        pullback(bad)
+    with pytest.raises(ValueError, match="pullback: grad_output has shape"):
+        pullback(x[:, :2])
+    with pytest.raises(TypeError, match="grad_output has dtype float64"):
+        pullback(x.astype(np.float64))
+    pullback.close()
+    with pytest.raises(ValueError, match="pullback is closed"):
+        pullback(x)

@@ -111,6 +111,50 @@ def test_backward_equals_cpu(be, name, B, L):
     assert_same_gradients(gpu.backward(x, dy), got, f"{name} B={B} L={L}, second call")
 
 
+VJP_CASES = [(n, B, L) for n, spec in GRAD_BLOCKS.items()
+             for B, L in ((1, spec["lengths"][-2]), (3, spec["lengths"][-1]))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,B,L", VJP_CASES, ids=[f"{n}-B{B}-L{L}" for n, B, L in VJP_CASES])
+def test_vjp_equals_forward_and_backward(be, name, B, L):
+    """vjp's y is forward's, bit for bit, and its pullback gives backward's bits (the C
+    reference's) on every call, whether the backend kept the forward's activations
+    (Mamba-2) or recomputes; the caller's x may change after vjp."""
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=B + L)
+    x, dy = _inputs((B, L, dm), 5 * L + B)
+    want_y, want = raw(cpu.forward(x)), cpu.backward(x, dy)
+    xb = bytearray(raw(x))
+    y, pullback = gpu.vjp(memoryview(xb).cast("f", memoryview(x).shape))
+    xb[:] = bytes(len(xb))  # the pullback holds its own copy of x
+    assert raw(y) == want_y
+    for call in ("first", "second"):
+        assert_same_gradients(pullback(dy), want, f"{name} B={B} L={L}, pullback's {call} call")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GRAD_BLOCKS))
+def test_vjp_device_arrays_and_streams(be, torch, name):
+    """A torch.cuda x gives a device y and a pullback whose device gradients have the
+    CPU's bits, with the vjp on a side stream and the pullback on the default one."""
+    dm = GRAD_BLOCKS[name]["d_model"]
+    cpu, gpu = _pair(name, dm, seed=6)
+    x, dy = _inputs((2, 40, dm), 31)
+    want_y, want = raw(cpu.forward(x)), cpu.backward(x, dy)
+    xt, dyt = dev(torch, x), dev(torch, dy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), mamba.stream(side):
+        y, pullback = gpu.vjp(xt)
+        xt.zero_()  # after the vjp, in the same stream's order: the pullback holds a copy
+    got = pullback(dyt)
+    torch.cuda.synchronize()
+    assert y.device == "cuda" and host_bytes(y) == want_y
+    assert all(g.device == "cuda" for g in got.values())
+    assert_same_gradients(got, want, f"{name} vjp, device arrays")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GRAD_BLOCKS))
 def test_backward_device_arrays(be, torch, name):

@@ -151,7 +151,8 @@ def test_profile_digest(be, name):
 # Mamba-3 64) and several chunks, batches of 1 and 3, a repeated call; B * L past one
 # 8192-token fold leaf
 from test_backward_gpu import (test_backward_equals_cpu, test_backward_fast_mode,  # noqa: E402,F401
-                               test_backward_folds_past_one_leaf)
+                               test_backward_folds_past_one_leaf,
+                               test_vjp_equals_forward_and_backward)
 
 
 @pytest.mark.parametrize("name", list(GRAD_BLOCKS))
