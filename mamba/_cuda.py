@@ -760,11 +760,16 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._offsets[(B, L)] = mem
         return self._offsets[(B, L)].ptr
 
-    def _on_device(self, sc, a, writeback=None):
+    def _on_device(self, sc, a, writeback=None, copy=False):
         """Device address of a host or device array; a host one is uploaded to scratch
-        (and, when writeback is a list, queued to be copied back after the call)."""
+        (and, when writeback is a list, queued to be copied back after the call), a
+        device one copied there when copy is set."""
         if a.device == self.name:
-            return a.ptr
+            if not copy:
+                return a.ptr
+            p = sc(a.size)
+            self._ck(self.cu.cuMemcpyDtoDAsync(p, a.ptr, 4 * a.size, sc.s.cu), "cuMemcpyDtoDAsync")
+            return p
         p = sc.upload(a.ptr, 4 * a.size)
         if writeback is not None:
             writeback.append((a, p))

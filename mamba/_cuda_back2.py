@@ -7,11 +7,12 @@ what the backward reads (_m2_stages): in_proj's output, the conv pre-activations
 and u, G, Y before the gate and after it, and the state entering every chunk. The
 backward proper (_m2_pull) reads them: m2_backward runs both in one call and frees
 the activations as their last reader is queued; m2_vjp keeps them for as many
-backward calls as the caller makes. The SSD backward is backends/kernels/back2.cu;
+backward calls as the caller makes (_cuda_grad.Kept). The SSD backward is backends/kernels/back2.cu;
 the norms, projections, conv and folds are the shared pieces of _cuda_grad.py.
 """
 from types import SimpleNamespace
 
+from ._cuda_grad import Kept
 from ._cuda_ssd import _plan, _release, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
@@ -20,35 +21,6 @@ COL_THREADS = 256  # back2.cu COL_THREADS
 BACK_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k",
                 "mb_m2_y_k", "mb_m2b_gate_k", "mb_m2b_row_k", "mb_m2b_off_k",
                 "mb_ssd_dchain_k", "mb_m2b_col_k", "mb_m2b_dgs_k", "mb_m2b_bc_k", "mb_m2b_alog_k")
-
-
-class _M2Saved:
-    """The activations of one m2_vjp forward, in scratch of its stream, freed (in
-    that stream's order) when the last reference goes."""
-
-    def __init__(self, be, st, sc, stg, w, fast):
-        self.be, self.st, self.sc, self.stg, self.w, self.fast = be, st, sc, stg, w, fast
-
-    def backward(self, dy, gx, gw):
-        """m2_backward's gradients for grad_output dy, from the kept activations."""
-        from ._cuda import _Scratch
-        be, st = self.be, self.st
-        be._enter()
-        cur = be.stream()
-        other = cur.number != st.number
-        if other:  # the activations were written on the vjp's stream
-            be._wait(cur.cu, st.cu)
-        with _Scratch(be, cur) as sc:
-            back = []
-            outs = [be._out(sc, a, back) for a in (gx,) + tuple(gw)]
-            be._m2_pull(cur, self.stg, self.w, be._on_device(sc, dy), outs, self.fast, None)
-            be._finish(cur, back)
-        if other:  # the frees on the vjp's stream wait for this backward
-            be._wait(st.cu, cur.cu)
-
-    def __del__(self):
-        be, ptrs, s = self.be, self.sc.ptrs, self.st.cu
-        be.release(lambda: (be._enter(), [be.cu.cuMemFreeAsync(p, s) for p in ptrs]))
 
 
 class Back2Mixin:
@@ -98,7 +70,7 @@ class Back2Mixin:
         except BaseException:
             f.__exit__(None, None, None)
             raise
-        return _M2Saved(self, st, f, stg, w, fast)
+        return Kept(self, st, f, stg, w, fast, self._m2_pull)
 
     def _m2_stages(self, st, f, w, d_model, dt_limit, x, fast, snapshot):
         """The forward's activations of x (host or device), in scratch f; snapshot:
@@ -113,11 +85,7 @@ class Back2Mixin:
         plan = _plan(B, L, None, 0, Q, False)
         NC = plan.NC
         I = plan.upload(f)
-        if snapshot and x.device == self.name:
-            xd = f(M * dm)
-            self._ck(self.cu.cuMemcpyDtoDAsync(xd, x.ptr, 4 * M * dm, s), "cuMemcpyDtoDAsync")
-        else:
-            xd = self._on_device(f, x)
+        xd = self._on_device(f, x, copy=snapshot)
         r, xn, zx = f(M), f(M * dm), f(M * NP)
         with _Scratch(self, st) as t:
             P = self._parts(M, NP, dm)

@@ -168,3 +168,35 @@ class GradMixin:
     def g_add(self, s, n, a, b, out):
         self._gk()
         self._launch(s, "mb_add_k", (self._grid(n),), THREADS, n, a, b, out)
+
+
+class Kept:
+    """The activations of one vjp forward (a block's _stages), in scratch sc of its
+    stream st, freed in that stream's order when the last reference goes; pull is the
+    block's backward from them (its _pull)."""
+
+    def __init__(self, be, st, sc, stg, w, fast, pull):
+        self.be, self.st, self.sc, self.stg, self.w = be, st, sc, stg, w
+        self.fast, self.pull = fast, pull
+
+    def backward(self, dy, gx, gw):
+        """The block's backward for grad_output dy into gx, gw, from the kept
+        activations, on the current stream."""
+        from ._cuda import _Scratch
+        be, st = self.be, self.st
+        be._enter()
+        cur = be.stream()
+        other = cur.number != st.number
+        if other:  # the activations were written on the vjp's stream
+            be._wait(cur.cu, st.cu)
+        with _Scratch(be, cur) as sc:
+            back = []
+            outs = [be._out(sc, a, back) for a in (gx,) + tuple(gw)]
+            self.pull(cur, self.stg, self.w, be._on_device(sc, dy), outs, self.fast, None)
+            be._finish(cur, back)
+        if other:  # the frees on the vjp's stream wait for this backward
+            be._wait(st.cu, cur.cu)
+
+    def __del__(self):
+        be, ptrs, s = self.be, self.sc.ptrs, self.st.cu
+        be.release(lambda: (be._enter(), [be.cu.cuMemFreeAsync(p, s) for p in ptrs]))

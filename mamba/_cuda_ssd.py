@@ -135,23 +135,24 @@ class SsdMixin:
         return (self._grid(n), min(B, 65535))
 
     def _front(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts, fast,
-               conv=None, keep=False):
+               conv=None, keep=False, copy=False):
         """Pack, block RMSNorm and in_proj: (x, xn, zx) device pointers, M rows; conv:
         a one-token call's conv step on zx's columns (gemm's). xn holds the normed
-        rows only when kept (keep), else it is M * dm floats of scratch."""
+        rows only when kept (keep), else it is M * dm floats of scratch; copy: x is
+        copied into scratch even when on the device."""
         xd, xn, (zx,) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, (NP,),
-                                         parts, fast, conv, keep)
+                                         parts, fast, conv, keep, copy)
         return xd, xn, zx
 
     def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast,
-                    conv=None, keep=False):
+                    conv=None, keep=False, copy=False):
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
         (x, xn, [blocks]). Each output is the same dot product either way. conv goes
         with the first block."""
         C = self._ssd_fn()
         M = I["M"]
-        xs = self._on_device(sc, x)
+        xs = self._on_device(sc, x, copy=copy)
         xd = xs
         if lengths is not None:
             xs = sc(M * dm)

@@ -202,12 +202,13 @@ class _Block:
         y is forward(x) (its bits in identical mode); pullback(grad_output) returns
         what backward(x, grad_output) returns, bit for bit, for the x and weights of
         this call, and may be called any number of times. Where the backend keeps the
-        forward's activations (the CUDA backend's Mamba-2), the pullback does not run
-        the forward again: it holds that memory (about 2.5 GiB at B 8, L 4096,
-        d_model 1024) until it is dropped or closed. Elsewhere it holds a copy of x
-        and recomputes. Like backward, it leaves the block's reports and any state
-        alone. Edit weights in place (CPU) only after the last pullback call; on a
-        GPU, refresh_weights does not affect an existing pullback.
+        forward's activations (the CUDA backend's Mamba-2 and Mamba-3), the pullback
+        does not run the forward again: it holds that memory (about 2.1 GiB for
+        Mamba-2 and 2.6 GiB for Mamba-3 at B 8, L 4096, d_model 1024) until it is
+        dropped or closed. Elsewhere it holds a copy of x and recomputes. Like
+        backward, it leaves the block's reports and any state alone. Edit weights in
+        place (CPU) only after the last pullback call; on a GPU, refresh_weights does
+        not affect an existing pullback.
         """
         what = type(self).__name__ + ".vjp"
         x = chk.tokens(x, what, self.d_model, False)
@@ -232,6 +233,10 @@ class _Block:
         kept = []
         self._run_checked(settle, lambda: kept.append(self._vjp_kernel(keep, w, x, y)))
         return y, Pullback(self, like, kept[0].backward)
+
+    def _vjp_kernel(self, keep, w, x, y):
+        """The backend's vjp (keep) for this block's arguments: the kept activations."""
+        return keep(w, self.d_model, x, y, fast=self.numeric_mode == "fast")
 
     def _backward_backend(self, what):
         if not hasattr(self._backend, self._KIND + "_backward"):
