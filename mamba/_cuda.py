@@ -798,7 +798,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         can); guard is a session's guard word (finite.cu)."""
         di, R = 2 * dm, _cdiv(dm, 16)
         XR = R + 32
-        norm_w, in_proj, conv_w, conv_b, x_proj, dt_w, dt_b, A_log, D, out_proj = w
+        norm_w, in_proj, conv_w, conv_b, x_proj, dt_w = w[:6]
+        out_proj = w[9]
         pre = "mb_fast_" if fast else "mb_"
         xs = xd
         if ragged:
@@ -815,14 +816,20 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          B, off, di, b.xz, 2 * di, cw)
         self.gemm(s, M, XR, di, b.u, di, x_proj, di, b.xdbl, XR, b.parts, fast)
         self.gemm(s, M, di, R, b.xdbl, XR, dt_w, R, b.dtp, di, b.parts, fast)
+        self._m1_scan(s, fast, w[6:9], B, L, off, di, R, b.dtp, b.u, b.xz, b.xdbl, h, b.yi, guard)
+        self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
+
+    def _m1_scan(self, s, fast, vecs, B, L, off, di, R, dtp, u, xz, xdbl, h, yi, guard=0):
+        """The selective scan of a Mamba-1 call from dt_proj's output dtp: yi (the
+        gated output), state h updated in place; vecs: (dt_proj's bias, A_log, D)."""
+        dt_b, A_log, D = vecs
         # a fast prefill wide enough to give each multiprocessor about 12 warps of the
         # four-states-a-lane scan (each walks its tokens' chain alone) takes it
         wide = fast and L > 1 and B * di >= 96 * self.sms
         ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if wide else
                            (SCAN_CHANNELS, 16, "scan1_k"))
-        self._launch(s, pre + name, (_cdiv(di, ch), rows), lanes * ch,
-                     B, off, di, R, b.dtp, dt_b, b.u, b.xz, b.xdbl, A_log, D, h, b.yi, guard)
-        self._back(s, B, L, dm, di, M, off, b.yi, out_proj, xd, b.xn, yd, b.parts, fast, guard)
+        self._launch(s, ("mb_fast_" if fast else "mb_") + name, (_cdiv(di, ch), min(B, 65535)),
+                     lanes * ch, B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard)
 
     def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0,
               gnorm=None):

@@ -201,11 +201,11 @@ class _Block:
 
         y is forward(x) (its bits in identical mode); pullback(grad_output) returns
         what backward(x, grad_output) returns, bit for bit, for the x and weights of
-        this call, and may be called any number of times. Where the backend keeps the
-        forward's activations (the CUDA backend's Mamba-2 and Mamba-3), the pullback
-        does not run the forward again: it holds that memory (about 2.1 GiB for
-        Mamba-2 and 2.6 GiB for Mamba-3 at B 8, L 4096, d_model 1024) until it is
-        dropped or closed. Elsewhere it holds a copy of x and recomputes. Like
+        this call, and may be called any number of times. On the CUDA backend the
+        pullback keeps the forward's activations and does not run the forward again:
+        it holds that memory (about 1.8, 2.1 and 2.6 GiB for Mamba-1, -2 and -3 at
+        B 8, L 4096, d_model 1024) until it is dropped or closed. On the CPU it holds
+        a copy of x and recomputes, as backward does. Like
         backward, it leaves the block's reports and any state alone. Edit weights in
         place (CPU) only after the last pullback call; on a GPU, refresh_weights does
         not affect an existing pullback.
