@@ -189,6 +189,7 @@ enum {
     MB_MATH_EXP, MB_MATH_LOG1P, MB_MATH_SOFTPLUS, MB_MATH_SIGMOID, MB_MATH_SILU,
     MB_MATH_SQRT, MB_MATH_RSQRT, MB_MATH_TANH, MB_MATH_SIN, MB_MATH_COS, MB_MATH_MOD2PI,
     MB_MATH_VEXP, MB_MATH_VSILU, /* simd.h's vector forms of exp and silu */
+    MB_MATH_EXPCORE, /* mb_exp_core, for x in [MB_EXP_LO, 0] */
     MB_MATH_COUNT
 };
 int mb_math_eval(int which, int64_t n, const float *x, float *y);

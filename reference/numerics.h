@@ -93,14 +93,11 @@ MB_FN float mb_rsqrt(float x)
 #define MB_EXP_P4 1.6666665459e-1f
 #define MB_EXP_P5 5.0000001201e-1f
 
-/* Cephes expf. The input is clamped before the integer conversion so that it stays
- * defined for every x (NaN included); the selects afterwards apply the thresholds. */
-MB_FN float mb_exp(float x)
+/* Cephes expf's reduction and polynomial for xc in [MB_EXP_LO, MB_EXP_HI]: the
+ * result before its scaling by 2^k, and k (in [-126, 128]). */
+MB_FN float mb_exp_poly_(float xc, int32_t *kout)
 {
     MB_NOCONTRACT
-    const float hi = MB_EXP_HI, lo = MB_EXP_LO;
-    float xc = x > lo ? x : lo;
-    xc = xc < hi ? xc : hi;
     /* z = floor(v) for v in [-125.5, 128.5], exactly: v + 1.5 * 2^23 holds v rounded
      * to an integer in its low bits, one less when that rounded up. No int/float
      * conversion (a GPU runs those at an eighth of the fma rate); floorf would not
@@ -109,7 +106,7 @@ MB_FN float mb_exp(float x)
     float t = v + 12582912.0f;
     float n = t - 12582912.0f;
     int up = n > v;
-    int32_t k = (int32_t)(mb_f2u_(t) - 0x4B400000u) - up;
+    *kout = (int32_t)(mb_f2u_(t) - 0x4B400000u) - up;
     float z = mb_sel_(up, n - 1.0f, n);
     float r = fmaf(z, MB_EXP_C1, xc);
     r = fmaf(z, MB_EXP_C2, r);
@@ -119,7 +116,19 @@ MB_FN float mb_exp(float x)
     p = fmaf(p, r, MB_EXP_P3);
     p = fmaf(p, r, MB_EXP_P4);
     p = fmaf(p, r, MB_EXP_P5);
-    float y = fmaf(p, r * r, r) + 1.0f;
+    return fmaf(p, r * r, r) + 1.0f;
+}
+
+/* Cephes expf. The input is clamped before the integer conversion so that it stays
+ * defined for every x (NaN included); the selects afterwards apply the thresholds. */
+MB_FN float mb_exp(float x)
+{
+    MB_NOCONTRACT
+    const float hi = MB_EXP_HI, lo = MB_EXP_LO;
+    float xc = x > lo ? x : lo;
+    xc = xc < hi ? xc : hi;
+    int32_t k;
+    float y = mb_exp_poly_(xc, &k);
     /* k is in [-126, 128]: two factors 2^k1, 2^k2 are normal and never overflow. */
     int32_t k1 = k >> 1, k2 = k - k1;
     y = y * mb_u2f_((uint32_t)(k1 + 127) << 23);
@@ -127,6 +136,18 @@ MB_FN float mb_exp(float x)
     y = mb_sel_(x < lo, 0.0f, y);
     y = mb_sel_(x > hi, mb_u2f_(0x7f800000u), y);
     return mb_sel_(x == x, y, x);
+}
+
+/* mb_exp's bits for x in [MB_EXP_LO, 0]: there the clamp and selects change nothing
+ * and k is in [-126, 0], so 2^k is one normal factor (y 2^k1 is exact, so both forms
+ * round y 2^k once). Callers check the range; the scans' exp(delta * A) lies in it
+ * whenever delta >= 0 and delta * min(A) >= MB_EXP_LO (rounding is monotonic). */
+MB_FN float mb_exp_core(float x)
+{
+    MB_NOCONTRACT
+    int32_t k;
+    float y = mb_exp_poly_(x, &k);
+    return y * mb_u2f_((uint32_t)(k + 127) << 23);
 }
 
 /* Cephes logf core: log(m * 2^e) with t = m - 1, m in [sqrt(1/2), sqrt(2)).

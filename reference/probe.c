@@ -29,6 +29,7 @@ int MB_ISA_FN(mb_math_eval)(int which, int64_t n, const float *x, float *y)
     case MB_MATH_MOD2PI: EVAL(mb_mod2pi);
     case MB_MATH_VEXP: VEVAL(mb_vexp);
     case MB_MATH_VSILU: VEVAL(mb_vsilu);
+    case MB_MATH_EXPCORE: EVAL(mb_exp_core);
     default: return -1;
     }
     return 0;

@@ -99,7 +99,7 @@ static inline mb_vf mb_vneg(mb_vf a) { return -a; }
 static inline mb_vf mb_vmin(mb_vf a, mb_vf b) { return a < b ? a : b; }
 static inline int mb_vall_ge(mb_vf a, mb_vf b) { return a >= b; }
 static inline mb_vf mb_vexp(mb_vf x) { return mb_exp(x); }
-static inline mb_vf mb_vexp_core(mb_vf x) { return mb_exp(x); }
+static inline mb_vf mb_vexp_core(mb_vf x) { return mb_exp_core(x); }
 #endif
 
 #if MB_VW > 1

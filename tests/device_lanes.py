@@ -8,7 +8,7 @@ import pytest
 
 import mamba
 from mamba import _backends, _core
-from _util import rand, raw, time_slice
+from _util import floats, rand, raw, time_slice
 from blocks import BLOCKS, make
 
 REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
@@ -183,3 +183,30 @@ def norm_gemv(be, M, N, K):
     want = raw(_core._gemm(_core._rmsnorm(X, nw, M, K), W, M, N, K))
     assert raw(be._gemm(X, W, M, N, K, norm=nw)) == want
     assert raw(X) == xs
+
+
+def scan_exp_ranges(be):
+    """Mamba-1's scan takes exp's core only for groups of 16 tokens whose every delta * A
+    lies in [MB_EXP_LO, 0]. With dt_proj's weight zero, delta is softplus(dt_proj's
+    bias) on every token: 0.69 on the first block's 8 channels (delta * A >= -11: the
+    core) and 10 on channel 9 (delta * A down to -160: exp in full for the second
+    block). Forward, a split into prefill and steps, and backward keep the C
+    reference's bits on both paths."""
+    w = mamba.random_weights("mamba1", 32, seed=8)
+    assert max(floats(w["A_log"])) > math.log(8.8), "some A * 10 is below exp's range"
+    for name, value in (("dt_proj.weight", 0.0), ("dt_proj.bias", 0.0)):
+        v = memoryview(w[name]).cast("B").cast("f")
+        for i in range(len(v)):
+            v[i] = value
+    memoryview(w["dt_proj.bias"]).cast("B").cast("f")[9] = 10.0
+    cpu = BLOCKS["mamba1"]["cls"](w, backend="cpu")
+    gpu = BLOCKS["mamba1"]["cls"](w, backend="cuda")
+    x = rand((2, 53, 32), 60)
+    assert raw(gpu.forward(x)) == raw(cpu.forward(x))
+    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
+    for p in [time_slice(x, 0, 37)] + [time_slice(x, t, t + 1) for t in range(37, 40)]:
+        assert raw(gpu.forward(p, st_g)) == raw(cpu.forward(p, st_c))
+    assert state_of(st_g) == state_of(st_c)
+    dy = rand((2, 53, 32), 61)
+    got, want = gpu.backward(x, dy), cpu.backward(x, dy)
+    assert all(raw(got[k]) == raw(want[k]) for k in want)

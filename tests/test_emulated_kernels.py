@@ -23,7 +23,7 @@ from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
                           frees_during_capture, host, norm_gemv, poisoned, refusals_after_launch,
-                          rmsnorm_rows, ssd_session_graph, state_of)
+                          rmsnorm_rows, scan_exp_ranges, ssd_session_graph, state_of)
 
 FAST_RTOL = 2e-3  # fast mode promises accuracy, not bits (SPEC 3: relative L2 error)
 
@@ -557,6 +557,10 @@ def test_copies_land_at_their_wait(be):
     want = raw(_core._gemm(X, W, M, N, K))
     assert raw(be._gemm(X, W, M, N, K)) == want
     assert raw(emu.backend(("MB_EMU_WAIT_SLACK=1",))._gemm(X, W, M, N, K)) != want
+
+
+def test_scan_exp_ranges(be):
+    scan_exp_ranges(be)
 
 
 def test_every_kernel_ran(be, request):

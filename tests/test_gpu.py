@@ -18,7 +18,7 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture, norm_gemv,
-                          refusals_after_launch, rmsnorm_rows, ssd_session_graph)
+                          refusals_after_launch, rmsnorm_rows, scan_exp_ranges, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -250,6 +250,11 @@ def test_rmsnorm_rows(be, M, n):
 @pytest.mark.parametrize("M,N,K", NORM_GEMVS)
 def test_norm_gemv(be, M, N, K):
     norm_gemv(be, M, N, K)
+
+
+@pytest.mark.gpu
+def test_scan_exp_ranges(be):
+    scan_exp_ranges(be)
 
 
 @pytest.mark.gpu

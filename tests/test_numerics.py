@@ -414,6 +414,23 @@ def test_vector_forms_equal_scalar_on_every_isa(vec, scalar):
 
 
 # ------------------------------------------------------------------ edge cases
+def test_exp_core_equals_exp_on_its_domain():
+    """mb_exp_core (the scans' exp where delta * A is known to lie in [LO, 0]) gives
+    mb_exp's bits there: the domain's ends, the subnormal results near LO, the points
+    where exp's k steps, and 2^18 random inputs (checked by hand over all 1.1e9 floats
+    of the domain)."""
+    xs = [LO, nextup(LO), -0.0, 0.0, -TINY, -BIG_SUB, -1e-30, -0.5, -1.0, -87.0, -86.5]
+    for k in range(0, 127):  # k = floor(x log2(e) + 0.5) changes at x = (k - 0.5) ln 2
+        m = f32(-(k - 0.5) * math.log(2.0))
+        if m >= LO:
+            xs += [m, nextup(m), nextdown(m)]
+    xs += samples(LO, 0.0, 1 << 18, seed=21)
+    xs = [x for x in xs if LO <= x <= 0.0]
+    got, want = call("exp_core", xs), call("exp", xs)
+    bad = [i for i in range(len(xs)) if not same(got[i], want[i])]
+    assert not bad, f"exp_core({xs[bad[0]]!r}) = {got[bad[0]]!r}, exp gives {want[bad[0]]!r}"
+
+
 def test_exp_thresholds():
     # exp(HI) is 3.4028245e38 > FLT_MAX + ulp/2: +inf is its correct rounding too
     assert one("exp", HI) == INF and one("exp", nextup(HI)) == INF

@@ -6,9 +6,11 @@
  * computed once per (token, channel) while staging, the lanes advance their states
  * over the group's tokens, leaving each token's h in shared memory, and lane q forms
  * y = dot(C, h) of token q as the serial chain over n = 0..15 (dot v1 exactly),
- * the D skip and the gate. A = -exp(A_log) is computed here. F is the numeric
- * mode's transcendentals (modes.h). In a decode session, a step refused by the
- * guard leaves h alone. */
+ * the D skip and the gate. A = -exp(A_log) is computed here. A group whose every
+ * delta * A lies in [MB_EXP_LO, 0] (checked while staging: delta >= 0 and delta
+ * times its channel's least A at or above MB_EXP_LO) takes exp's core, the same
+ * bits in fewer instructions. F is the numeric mode's transcendentals (modes.h). In
+ * a decode session, a step refused by the guard leaves h alone. */
 #include "modes.h"
 
 #define NS 16
@@ -38,17 +40,22 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
     const int64_t c = live ? cl : di - 1, lc = c0 + lk < di ? c0 + lk : di - 1;
     const float a = -F::exp(A_log[c * NS + n]);
     const float lbias = dt_b[lc], Dc = D[c];
+    float amin = 0.0f; /* the least A of the staged channel lc (-inf, NaN: never in range) */
+    for (int m = 0; m < NS; m++) amin = fminf(amin, -F::exp(A_log[lc * NS + m]));
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         float *hp = h + (b * di + c) * NS + n;
         float hn = *hp;
         const int64_t t1 = off[b + 1];
         for (int64_t g = off[b]; g < t1; g += SG) {
             const int ng = t1 - g < SG ? (int)(t1 - g) : SG;
+            bool in_range = true;
             if (lq < ng) {
                 const int64_t t = g + lq;
-                sdl[lk][lq] = F::softplus(dtp[t * di + lc] + lbias);
+                const float dl = F::softplus(dtp[t * di + lc] + lbias);
+                sdl[lk][lq] = dl;
                 su[lk][lq] = u[t * di + lc];
                 sz[lk][lq] = xz[t * 2 * di + di + lc];
+                in_range = dl >= 0.0f && dl * amin >= MB_EXP_LO;
             }
             for (int e = threadIdx.x; e < ng * 2 * NS; e += SCH * NS) {
                 const int q = e / (2 * NS), m = e % (2 * NS);
@@ -58,16 +65,21 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
                 else
                     sC[q][m - NS] = v;
             }
-            __syncthreads();
+            const bool core = __syncthreads_and(in_range);
+            auto advance = [&](auto exp) {
 #pragma unroll
-            for (int i = 0; i < SG; i++) {
-                if (i < ng) {
-                    const float dl = sdl[k][i];
-                    const float dA = F::exp(dl * a);
-                    hn = fmaf(dA, hn, (dl * sB[i][n]) * su[k][i]);
-                    hs[k][i][n] = hn;
+                for (int i = 0; i < SG; i++) {
+                    if (i < ng) {
+                        const float dl = sdl[k][i];
+                        hn = fmaf(exp(dl * a), hn, (dl * sB[i][n]) * su[k][i]);
+                        hs[k][i][n] = hn;
+                    }
                 }
-            }
+            };
+            if (core)
+                advance([](float x) { return F::exp_core(x); });
+            else
+                advance([](float x) { return F::exp(x); });
             __syncthreads();
             if (n < ng) {
                 float acc = 0.0f;

@@ -93,6 +93,18 @@ template <class T> static inline T __shfl_xor(T v, int mask, int width = 32)
     return __shfl(v, (int)(threadIdx.x & (width - 1)) ^ mask, width);
 }
 
+/* __syncthreads that also returns whether pred is non-zero in every thread of the
+ * (one-dimensional) block. */
+static inline int __syncthreads_and(int pred)
+{
+    mb_emu_lane[threadIdx.x] = pred != 0;
+    __syncthreads();
+    int all = 1;
+    for (unsigned i = 0; i < blockDim.x; i++) all &= mb_emu_lane[i] != 0;
+    __syncthreads(); /* no thread overwrites its word before every thread has read */
+    return all;
+}
+
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
