@@ -6,10 +6,10 @@
  * computed once per (token, channel) while staging, the lanes advance their states
  * over the group's tokens, leaving each token's h in shared memory, and lane q forms
  * y = dot(C, h) of token q as the serial chain over n = 0..15 (dot v1 exactly),
- * the D skip and the gate. A = -exp(A_log) is computed here. A whole group whose
- * every delta * A lies in [MB_EXP_LO, 0] (checked while staging: delta >= 0 and
- * delta times its channel's least A at or above MB_EXP_LO) takes exp's core, the
- * same bits in fewer instructions. F is the numeric mode's transcendentals (modes.h). In
+ * the D skip and the gate. A = -exp(A_log) is computed here. A group whose every
+ * delta * A lies in [MB_EXP_LO, 0] (checked while staging: delta >= 0 and delta
+ * times its channel's least A at or above MB_EXP_LO) takes exp's core, the same
+ * bits in fewer instructions. F is the numeric mode's transcendentals (modes.h). In
  * a decode session, a step refused by the guard leaves h alone. */
 #include "modes.h"
 
@@ -40,25 +40,22 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
     const int64_t c = live ? cl : di - 1, lc = c0 + lk < di ? c0 + lk : di - 1;
     const float a = -F::exp(A_log[c * NS + n]);
     const float lbias = dt_b[lc], Dc = D[c];
-    float amin = 1.0f; /* the least A of the staged channel lc, once a group is whole */
+    float amin = 0.0f; /* the least A of the staged channel lc (-inf, NaN: never in range) */
+    for (int m = 0; m < NS; m++) amin = fminf(amin, -F::exp(A_log[lc * NS + m]));
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         float *hp = h + (b * di + c) * NS + n;
         float hn = *hp;
         const int64_t t1 = off[b + 1];
         for (int64_t g = off[b]; g < t1; g += SG) {
             const int ng = t1 - g < SG ? (int)(t1 - g) : SG;
-            bool in_range = ng == SG; /* a part group (a decode step) is not worth the check */
-            if (in_range && amin > 0.0f) {
-                amin = 0.0f;
-                for (int m = 0; m < NS; m++) amin = fminf(amin, -F::exp(A_log[lc * NS + m]));
-            }
+            bool in_range = true;
             if (lq < ng) {
                 const int64_t t = g + lq;
                 const float dl = F::softplus(dtp[t * di + lc] + lbias);
                 sdl[lk][lq] = dl;
                 su[lk][lq] = u[t * di + lc];
                 sz[lk][lq] = xz[t * 2 * di + di + lc];
-                in_range = in_range && dl >= 0.0f && dl * amin >= MB_EXP_LO;
+                in_range = dl >= 0.0f && dl * amin >= MB_EXP_LO;
             }
             for (int e = threadIdx.x; e < ng * 2 * NS; e += SCH * NS) {
                 const int q = e / (2 * NS), m = e % (2 * NS);
