@@ -39,53 +39,35 @@ class Back1Mixin:
         device x device ones; dy may live on either. fast: the block norm and every
         projection (forward and backward) on fast mode's kernels, the rest as in
         identical mode."""
-        fast = fast and self.tensor_cores  # else the identical path, its bits
-        from . import _cuda as C
-        self._m1_kernels()
-        st = self.stream()
-        with C._Scratch(self, st) as sc:
-            back = []
-            outs = [self._out(sc, o, back) for o in (gx,) + tuple(gw)]
-            dyd = self._on_device(sc, dy)
-            with C._Scratch(self, st) as f:
-                stg = self._m1_stages(st, f, w, d_model, x, fast, False)
-                self._m1_pull(st, stg, w, dyd, outs, fast, f)
-            self._finish(st, back)
+        self.g_backward(*self._m1_halves(w, d_model, x, fast), dy, gx, gw)
 
     def m1_vjp(self, w, d_model, x, y, fast=False):
         """The forward of a zero-state prefill of x into y, keeping a copy of x and the
         activations the backward reads (m2_vjp's contract)."""
+        stages, pull = self._m1_halves(w, d_model, x, fast)
         fast = fast and self.tensor_cores
-        from . import _cuda as C
-        self._m1_kernels()
-        st = self.stream()
-        s = st.cu
-        f = C._Scratch(self, st)
-        try:
-            a = self._m1_stages(st, f, w, d_model, x, fast, True)
-            with C._Scratch(self, st) as t:  # the scan, out_proj and the residual
-                back = []
-                yd = self._out(t, y, back)
-                h, yi, zero = t(a.B * a.di * NS), t(a.M * a.di), t(a.di)
-                self._fill32(s, h, 0, a.B * a.di * NS)
-                self._fill32(s, zero, 0, a.di)
-                # spre holds dt_proj's output plus its bias, so the scan adds +0 (softplus
-                # of -0 + 0 = +0 is softplus of -0)
-                self._m1_scan(s, fast, (zero, w[7], w[8]), a.B, a.L,
-                              self._uniform_offsets(a.B, a.L), a.di, a.R, a.spre, a.u, a.xz,
-                              a.xdbl, h, yi)
-                P = self._parts(a.M, d_model, a.di)
-                self.gemm(s, a.M, d_model, a.di, yi, a.di, w[9], a.di, yd, d_model,
-                          t(P) if P else 0, fast, a.xd)
-                self._finish(st, back)
-        except BaseException:
-            f.__exit__(None, None, None)
-            raise
-        return _cuda_grad.Kept(self, st, f, a, w, fast, self._m1_pull)
 
-    def _m1_kernels(self):
+        def out(s, t, a, yd):  # the scan, out_proj and the residual
+            h, yi, zero = t(a.B * a.di * NS), t(a.M * a.di), t(a.di)
+            self._fill32(s, h, 0, a.B * a.di * NS)
+            self._fill32(s, zero, 0, a.di)
+            # spre holds dt_proj's output plus its bias, so the scan adds +0 (softplus of
+            # -0 + 0 = +0 is softplus of -0)
+            self._m1_scan(s, fast, (zero, w[7], w[8]), a.B, a.L, self._uniform_offsets(a.B, a.L),
+                          a.di, a.R, a.spre, a.u, a.xz, a.xdbl, h, yi)
+            P = self._parts(a.M, d_model, a.di)
+            self.gemm(s, a.M, d_model, a.di, yi, a.di, w[9], a.di, yd, d_model,
+                      t(P) if P else 0, fast, a.xd)
+        return self.g_vjp(stages, pull, out, y)
+
+    def _m1_halves(self, w, d_model, x, fast):
+        """(stages, pull) of GradMixin.g_backward for this call."""
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*_KERNELS, smem={"mb_m1b_chunk_k": chunk_shape(self.m1b_group)[1]})
         self._enter()
+        return (lambda st, f, snap: self._m1_stages(st, f, w, d_model, x, fast, snap),
+                lambda st, a, dyd, outs, consume: self._m1_pull(st, a, w, dyd, outs, fast,
+                                                                consume))
 
     def _m1_stages(self, st, f, w, d_model, x, fast, snapshot):
         """Steps 1-4 of the forward of x (host or device), in scratch f, keeping the

@@ -7,12 +7,12 @@ what the backward reads (_m2_stages): in_proj's output, the conv pre-activations
 and u, G, Y before the gate and after it, and the state entering every chunk. The
 backward proper (_m2_pull) reads them: m2_backward runs both in one call and frees
 the activations as their last reader is queued; m2_vjp keeps them for as many
-backward calls as the caller makes (_cuda_grad.Kept). The SSD backward is backends/kernels/back2.cu;
-the norms, projections, conv and folds are the shared pieces of _cuda_grad.py.
+backward calls as the caller makes (_cuda_grad.g_vjp). The SSD backward is
+backends/kernels/back2.cu; the norms, projections, conv and folds are the shared
+pieces of _cuda_grad.py.
 """
 from types import SimpleNamespace
 
-from ._cuda_grad import Kept
 from ._cuda_ssd import _plan, _release, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
@@ -29,48 +29,32 @@ class Back2Mixin:
     as in identical mode."""
 
     def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw, fast=False):
-        fast = fast and self.tensor_cores  # else the identical path, its bits
-        from ._cuda import _Scratch
-        self._kernels(*BACK_KERNELS)
-        self._enter()
-        st = self.stream()
-        with _Scratch(self, st) as sc:
-            back = []
-            outs = [self._out(sc, a, back) for a in (gx,) + tuple(gw)]
-            dyd = self._on_device(sc, dy)
-            with _Scratch(self, st) as f:
-                stg = self._m2_stages(st, f, w, d_model, dt_limit, x, fast, False)
-                self._m2_pull(st, stg, w, dyd, outs, fast, f)
-            self._finish(st, back)
+        self.g_backward(*self._m2_halves(w, d_model, dt_limit, x, fast), dy, gx, gw)
 
     def m2_vjp(self, w, d_model, dt_limit, x, y, fast=False):
         """The forward of a zero-state prefill of x into y (the forward's bits in
         identical mode), keeping a copy of x and the activations the backward reads;
         returns an object whose backward(dy, gx, gw) gives m2_backward's results
         without running the forward again."""
+        stages, pull = self._m2_halves(w, d_model, dt_limit, x, fast)
         fast = fast and self.tensor_cores
-        from ._cuda import _Scratch
+
+        def out(s, t, a, yd):  # the gated norm, out_proj and the residual
+            dm, di, M = d_model, a.di, a.M
+            gn, r = t(M * di), t(M)
+            P = self._parts(M, dm, di)
+            self._rmsnorm(s, fast, M, di, a.g, w[7], gn, r)
+            self.gemm(s, M, dm, di, gn, di, w[8], di, yd, dm, t(P) if P else 0, fast, a.xd)
+        return self.g_vjp(stages, pull, out, y)
+
+    def _m2_halves(self, w, d_model, dt_limit, x, fast):
+        """(stages, pull) of GradMixin.g_backward for this call."""
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*BACK_KERNELS)
         self._enter()
-        st = self.stream()
-        s = st.cu
-        f = _Scratch(self, st)
-        try:
-            stg = self._m2_stages(st, f, w, d_model, dt_limit, x, fast, True)
-            dm, di, M = d_model, stg.di, stg.M
-            with _Scratch(self, st) as t:  # the gated norm, out_proj and the residual
-                back = []
-                yd = self._out(t, y, back)
-                gn, r = t(M * di), t(M)
-                P = self._parts(M, dm, di)
-                self._rmsnorm(s, fast, M, di, stg.g, w[7], gn, r)
-                self.gemm(s, M, dm, di, gn, di, w[8], di, yd, dm, t(P) if P else 0, fast,
-                          stg.xd)
-                self._finish(st, back)
-        except BaseException:
-            f.__exit__(None, None, None)
-            raise
-        return Kept(self, st, f, stg, w, fast, self._m2_pull)
+        return (lambda st, f, snap: self._m2_stages(st, f, w, d_model, dt_limit, x, fast, snap),
+                lambda st, a, dyd, outs, consume: self._m2_pull(st, a, w, dyd, outs, fast,
+                                                                consume))
 
     def _m2_stages(self, st, f, w, d_model, dt_limit, x, fast, snapshot):
         """The forward's activations of x (host or device), in scratch f; snapshot:

@@ -11,11 +11,10 @@ shared building blocks of _cuda_grad.py. Every value is produced by the referenc
 own sequence of float operations, so no launch shape changes a bit. _m3_stages
 runs the forward, _m3_pull the backward from its activations: m3_backward runs both
 and frees scratch in stream order as soon as its last reader is queued; m3_vjp keeps
-the activations for any number of backward calls (_cuda_grad.Kept).
+the activations for any number of backward calls (_cuda_grad.g_vjp).
 """
 from types import SimpleNamespace
 
-from ._cuda_grad import Kept
 from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, TILE_THREADS, _plan, _release, m3_dims
 
 THREADS = 256
@@ -37,42 +36,28 @@ class Back3Mixin:
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
         into gx and gw (the weights' order): device outputs are written in place,
         host ones copied back."""
-        fast = fast and self.tensor_cores  # else the identical path, its bits
-        from ._cuda import _Scratch
-        self._kernels(*_KERNELS, smem={"mb_m3b_chunk_k": CHUNK_SMEM})
-        self._enter()
-        st = self.stream()
-        with _Scratch(self, st) as sc:
-            back = []
-            outs = [self._out(sc, a, back) for a in (gx,) + tuple(gw)]
-            dyd = self._on_device(sc, dy)
-            with _Scratch(self, st) as f:
-                stg = self._m3_stages(st, f, w, d_model, x, fast, False)
-                self._m3_pull(st, stg, w, dyd, outs, fast, f)
-            self._finish(st, back)
+        self.g_backward(*self._m3_halves(w, d_model, x, fast), dy, gx, gw)
 
     def m3_vjp(self, w, d_model, x, y, fast=False):
         """The forward of a zero-state prefill of x into y, keeping a copy of x and the
         activations the backward reads (m2_vjp's contract)."""
+        stages, pull = self._m3_halves(w, d_model, x, fast)
         fast = fast and self.tensor_cores
-        from ._cuda import _Scratch
+
+        def out(s, t, a, yd):  # out_proj and the residual
+            P = self._parts(a.M, d_model, a.di)
+            self.gemm(s, a.M, d_model, a.di, a.yg, a.di, w[8], a.di, yd, d_model,
+                      t(P) if P else 0, fast, a.xd)
+        return self.g_vjp(stages, pull, out, y)
+
+    def _m3_halves(self, w, d_model, x, fast):
+        """(stages, pull) of GradMixin.g_backward for this call."""
+        fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*_KERNELS, smem={"mb_m3b_chunk_k": CHUNK_SMEM})
         self._enter()
-        st = self.stream()
-        f = _Scratch(self, st)
-        try:
-            stg = self._m3_stages(st, f, w, d_model, x, fast, True)
-            with _Scratch(self, st) as t:  # out_proj and the residual
-                back = []
-                yd = self._out(t, y, back)
-                P = self._parts(stg.M, d_model, stg.di)
-                self.gemm(st.cu, stg.M, d_model, stg.di, stg.yg, stg.di, w[8], stg.di, yd,
-                          d_model, t(P) if P else 0, fast, stg.xd)
-                self._finish(st, back)
-        except BaseException:
-            f.__exit__(None, None, None)
-            raise
-        return Kept(self, st, f, stg, w, fast, self._m3_pull)
+        return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
+                lambda st, a, dyd, outs, consume: self._m3_pull(st, a, w, dyd, outs, fast,
+                                                                consume))
 
     def _m3_stages(self, st, f, w, d_model, x, fast, snapshot):
         """The forward's activations of x (host or device), in scratch f; snapshot:
@@ -206,7 +191,8 @@ class Back3Mixin:
             xr = a.xn if consume else sc(M * dm)
             self.g_rmsnorm_bwd(s, sc, M, dm, a.xd, dm, norm_w, dxn, dm, g_x, dm, xr, dm)
             self.g_add(s, M * dm, dyd, g_x, g_x)
-            for n, v, lda, o, b, ldb in ((dm, dxn, dm, g_norm, xr, dm), (NS, dBn, NS, g_Bn, Bxr, NS),
+            for n, v, lda, o, b, ldb in ((dm, dxn, dm, g_norm, xr, dm),
+                                         (NS, dBn, NS, g_Bn, Bxr, NS),
                                          (NS, dCn, NS, g_Cn, Cxr, NS),
                                          (H * NS, dK, H * NS, g_Bb, 0, 0),
                                          (H * NS, dQ, H * NS, g_Cb, 0, 0), (H, dQKG, H, g_D, 0, 0),

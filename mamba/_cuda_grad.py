@@ -169,19 +169,51 @@ class GradMixin:
         self._gk()
         self._launch(s, "mb_add_k", (self._grid(n),), THREADS, n, a, b, out)
 
+    # A block's backward is its forward's stages, stages(st, f, snapshot) -> a (the
+    # activations, in scratch f; snapshot: x is copied there too), and the backward
+    # from them, pull(st, a, dyd, outs, consume) (outs: x's gradient, then the
+    # weights'; consume: a's scratch, whose buffers may then be overwritten or freed
+    # once read, or None to leave them as they are).
+    def g_backward(self, stages, pull, dy, gx, gw):
+        """The block's backward in one call, its stages consumed as it goes."""
+        from ._cuda import _Scratch
+        st = self.stream()
+        with _Scratch(self, st) as sc:
+            back = []
+            outs = [self._out(sc, o, back) for o in (gx,) + tuple(gw)]
+            dyd = self._on_device(sc, dy)
+            with _Scratch(self, st) as f:
+                pull(st, stages(st, f, False), dyd, outs, f)
+            self._finish(st, back)
+
+    def g_vjp(self, stages, pull, out, y):
+        """The stages of a forward, kept, and y from them (out(s, t, a, yd), t being
+        scratch for the call): a Kept whose backward(dy, gx, gw) is the block's."""
+        from ._cuda import _Scratch
+        st = self.stream()
+        f = _Scratch(self, st)
+        try:
+            a = stages(st, f, True)
+            with _Scratch(self, st) as t:
+                back = []
+                out(st.cu, t, a, self._out(t, y, back))
+                self._finish(st, back)
+        except BaseException:
+            f.__exit__(None, None, None)
+            raise
+        return Kept(self, st, f, lambda cur, dyd, outs: pull(cur, a, dyd, outs, None))
+
 
 class Kept:
-    """The activations of one vjp forward (a block's _stages), in scratch sc of its
-    stream st, freed in that stream's order when the last reference goes; pull is the
-    block's backward from them (its _pull)."""
+    """The activations of one vjp forward, in scratch sc of its stream st, freed in
+    that stream's order when the last reference goes; pull(st, dyd, outs) is the
+    block's backward from them."""
 
-    def __init__(self, be, st, sc, stg, w, fast, pull):
-        self.be, self.st, self.sc, self.stg, self.w = be, st, sc, stg, w
-        self.fast, self.pull = fast, pull
+    def __init__(self, be, st, sc, pull):
+        self.be, self.st, self.sc, self.pull = be, st, sc, pull
 
     def backward(self, dy, gx, gw):
-        """The block's backward for grad_output dy into gx, gw, from the kept
-        activations, on the current stream."""
+        """The block's backward for grad_output dy into gx, gw, on the current stream."""
         from ._cuda import _Scratch
         be, st = self.be, self.st
         be._enter()
@@ -192,7 +224,7 @@ class Kept:
         with _Scratch(be, cur) as sc:
             back = []
             outs = [be._out(sc, a, back) for a in (gx,) + tuple(gw)]
-            self.pull(cur, self.stg, self.w, be._on_device(sc, dy), outs, self.fast, None)
+            self.pull(cur, be._on_device(sc, dy), outs)
             be._finish(cur, back)
         if other:  # the frees on the vjp's stream wait for this backward
             be._wait(st.cu, cur.cu)
