@@ -29,8 +29,9 @@ _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "m
 
 
 class Back3Mixin:
-    """CudaBackend's m3_backward and m3_vjp. fast: the block norm and every projection
-    (forward and backward) on fast mode's kernels, the rest as in identical mode."""
+    """CudaBackend's m3_backward and m3_vjp. fast: the block norm, every projection
+    (forward and backward) and the chunk backward's products on fast mode's kernels,
+    the rest as in identical mode."""
 
     def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
@@ -53,7 +54,9 @@ class Back3Mixin:
     def _m3_halves(self, w, d_model, x, fast):
         """(stages, pull) of GradMixin.g_backward for this call."""
         fast = fast and self.tensor_cores  # else the identical path, its bits
-        self._kernels(*_KERNELS, smem={"mb_m3b_chunk_k": CHUNK_SMEM})
+        chunk = ("mb_m3b_fast_chunk_k",) if fast else ()  # its products on the tensor cores
+        self._kernels(*_KERNELS, *chunk,
+                      smem={"mb_m3b_chunk_k": CHUNK_SMEM, "mb_m3b_fast_chunk_k": CHUNK_SMEM})
         self._enter()
         return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
                 lambda st, a, dyd, outs, consume: self._m3_pull(st, a, w, dyd, outs, fast,
@@ -150,7 +153,8 @@ class Back3Mixin:
                     F0c = inner(NC * H)
                     self._launch(s, "mb_m3b_f0_k", (-(-NC * H // F0_CHAINS),),
                                  32 * F0_CHAINS, NC * H, I["desc"], H, a.hck, dhL, F0c)
-                    self._launch(s, "mb_m3b_chunk_k", (NC, H), CHUNK_THREADS,
+                    self._launch(s, "mb_m3b_fast_chunk_k" if fast else "mb_m3b_chunk_k",
+                                 (NC, H), CHUNK_THREADS,
                                  I["desc"], H, di, NP, a.Q, a.K, a.V, a.DT, a.SIG, a.ADT, a.QKG,
                                  a.hck, dhL, F0c, D, a.zx, dyg, dzx, dQKG, dQ, dK, dsc, dadt, TH,
                                  smem=CHUNK_SMEM)

@@ -485,7 +485,7 @@ def test_fast_mode_is_close(be, name):
     """numeric_mode="fast" (its own kernels: shuffle reductions, hardware exp) stays
     within fast mode's error bound of the identical results, for a prefill of a few
     tokens (the split-K GEMV), decode steps and a prefill past the GEMV's rows (the
-    identical GEMM, as on AMD, which has no TF32 GEMM)."""
+    TF32 GEMM on the emulated tensor cores)."""
     cpu = make(name, backend="cpu")
     fast = make(name, backend="cuda", numeric_mode="fast")
     x = rand((2, 6, cpu.d_model), 12)
@@ -564,8 +564,8 @@ def test_scan_exp_ranges(be):
 
 
 def test_every_kernel_ran(be, request):
-    """Every kernel in the library (all but fast.cu's TF32 GEMM, which the HIP spelling
-    leaves out) was launched by this module's tests, which run before this one."""
+    """Every kernel in the library was launched by this module's tests, which run
+    before this one."""
     ran = [i for i in request.session.items if i.module is request.module]
     if len(ran) < len(request.node.parent.collect()):
         pytest.skip("only part of this module ran")

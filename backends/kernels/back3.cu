@@ -29,7 +29,8 @@
  * 4 ti..+3 and columns 4 tj..+3, each output one fmaf chain over k in the
  * reference's direction, terms the reference does not have skipped; the operands
  * are staged 16 k at a time as (k, 64) tiles, the next step's loads in flight
- * during the current step's products. */
+ * during the current step's products. Fast mode's mb_m3b_fast_chunk_k runs the same
+ * source with the products on the TF32 tensor cores (b3_tc). */
 #include "ssd3.cu" /* and grad.cu (mb_dsilu), included before this file */
 
 #define B3_THREADS 256
@@ -160,31 +161,78 @@ struct b3_every {
     __device__ bool operator()(int, int) const { return true; }
 };
 
-/* A full chain's step (every k a term). */
-MB_DEV void b3_full(float (&acc)[4][4], const float *T)
+/* Fast mode's tiles (TC): warp w owns rows 16 (w / 2)..+15 and columns 32 (w % 2)..+31
+ * as four m16n8k8 TF32 products, acc[r] the accumulators of columns 8 r..+7
+ * (vendor.h's layout). A staged step's 16 terms are two products: term t (t + 4) of
+ * product u is k = 2 t + u (+ 8), which puts the eight rows of a fragment's lanes on
+ * distinct banks (B3_LD = 4 mod 32). The identical schedule: thread (ti, tj) owns
+ * rows 4 ti..+3 and columns 4 tj..+3. */
+template <bool TC> MB_DEV int b3_row(int r, int q)
 {
-    b3_mma<false>(acc, T, T + B3_TILE, b3_every());
+    return TC ? 16 * (threadIdx.x / 64) + threadIdx.x % 32 / 4 + 8 * (q / 2)
+              : 4 * (threadIdx.x / 16) + r;
+}
+template <bool TC> MB_DEV int b3_col(int r, int q)
+{
+    return TC ? 32 * (threadIdx.x / 32 % 2) + 8 * r + 2 * (threadIdx.x % 4) + q % 2
+              : 4 * (threadIdx.x % 16) + q;
 }
 
-/* Step k0 of a chain over k < i, ascending (row i = 4 ti + r). */
-MB_DEV void b3_below(float (&acc)[4][4], const float *T, int k0)
+/* Declared for every vendor; only fast mode's kernel, built where MB_MMA is, calls it. */
+MB_DEV void b3_tc(float (&acc)[4][4], const float *A, const float *B);
+#if defined(MB_MMA)
+MB_DEV void b3_tc(float (&acc)[4][4], const float *A, const float *B)
 {
-    const int i0 = 4 * (threadIdx.x / 16);
-    if (k0 + B3_K <= i0)
-        b3_full(acc, T);
-    else if (k0 < i0 + 3)
+    const int g = threadIdx.x % 32 / 4;
+    const float *a = A + 16 * (threadIdx.x / 64) + g, *b = B + 32 * (threadIdx.x / 32 % 2) + g;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int lo = (2 * (threadIdx.x % 4) + u) * B3_LD, hi = lo + 8 * B3_LD;
+        const uint32_t a0 = mb_tf32(a[lo]), a1 = mb_tf32(a[lo + 8]);
+        const uint32_t a2 = mb_tf32(a[hi]), a3 = mb_tf32(a[hi + 8]);
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            mb_mma_tf32(acc[r], a0, a1, a2, a3, mb_tf32(b[lo + 8 * r]), mb_tf32(b[hi + 8 * r]));
+    }
+}
+#endif
+
+/* A full product's step (every k a term). */
+template <bool TC> MB_DEV void b3_full(float (&acc)[4][4], const float *A, const float *B)
+{
+    if constexpr (TC)
+        b3_tc(acc, A, B);
+    else
+        b3_mma<false>(acc, A, B, b3_every());
+}
+
+/* Step k0 of a chain over k < i, ascending (row i). The staged operands are zero
+ * where a term is absent, so the tensor cores take whole steps, skipping those of no
+ * term for the warp's rows. */
+template <bool TC> MB_DEV void b3_below(float (&acc)[4][4], const float *T, int k0)
+{
+    const int i0 = TC ? 16 * (threadIdx.x / 64) : 4 * (threadIdx.x / 16);
+    if constexpr (TC) {
+        if (k0 < i0 + 15) b3_tc(acc, T, T + B3_TILE);
+    } else if (k0 + B3_K <= i0) {
+        b3_full<false>(acc, T, T + B3_TILE);
+    } else if (k0 < i0 + 3) {
         b3_mma<false>(acc, T, T + B3_TILE, [&](int kk, int r) { return k0 + kk < i0 + r; });
+    }
 }
 
-/* Step k0 of a chain over j < k < n, descending (row j = 4 ti + r). */
-MB_DEV void b3_above(float (&acc)[4][4], const float *T, int k0, int n)
+/* Step k0 of a chain over j < k < n, descending (row j). */
+template <bool TC> MB_DEV void b3_above(float (&acc)[4][4], const float *T, int k0, int n)
 {
-    const int j0 = 4 * (threadIdx.x / 16);
-    if (k0 > j0 + 3 && k0 + B3_K <= n)
+    const int j0 = TC ? 16 * (threadIdx.x / 64) : 4 * (threadIdx.x / 16);
+    if constexpr (TC) {
+        if (k0 + B3_K - 1 > j0) b3_tc(acc, T, T + B3_TILE);
+    } else if (k0 > j0 + 3 && k0 + B3_K <= n) {
         b3_mma<true>(acc, T, T + B3_TILE, b3_every());
-    else if (k0 + B3_K - 1 > j0)
+    } else if (k0 + B3_K - 1 > j0) {
         b3_mma<true>(acc, T, T + B3_TILE,
                      [&](int kk, int r) { return k0 + kk > j0 + r && k0 + kk < n; });
+    }
 }
 
 /* cs of a chunk's n rows: the serial cumsum of adt from +0 (thread 0), then a barrier. */
@@ -239,7 +287,7 @@ mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float
                  b3_none(), [&](int s) {
                      const int k0 = B3_K * s;
                      if (k0 + B3_K <= n)
-                         b3_full(acc, T);
+                         b3_full<false>(acc, T, T + B3_TILE);
                      else
                          b3_mma<false>(acc, T, T + B3_TILE,
                                        [&](int kk, int) { return k0 + kk < n; });
@@ -301,18 +349,22 @@ mb_m3b_f0_k(int64_t NCH, const int64_t *desc, int64_t H, const float *hck, const
     if (on && lane == 0) F0c[ch] = acc;
 }
 
-/* A thread's columns 4 tj..+3 (below 2 M3A) of a rotated gradient row d and the
- * rotated row x: per pair a, l = d[2a+1] x[2a] - d[2a] x[2a+1] into th[a] (q's), or
- * th[a] = th[a] + l (k's, add). */
-MB_DEV void b3_angle(const float (&d)[4], const float *x, float *th, bool add)
+/* Pair a of a rotated gradient row, (d0, d1), and the rotated row x: l = d1 x[2a] -
+ * d0 x[2a+1] into th[a] (q's), or th[a] = th[a] + l (k's, add). */
+MB_DEV void b3_angle(float d0, float d1, const float *x, float *th, int a, bool add)
 {
-    const int tj = threadIdx.x % 16;
+    const float l = d1 * x[2 * a] - d0 * x[2 * a + 1];
+    th[a] = add ? th[a] + l : l;
+}
+
+/* f(r, q, i, j) for each accumulator (r, q) of a tile, at row i and column j of the
+ * chunk: the epilogues below, in either schedule. */
+template <bool TC, class F> MB_DEV void b3_each(F f)
+{
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
-        const int a = 2 * tj + u;
-        const float l = d[2 * u + 1] * x[2 * a] - d[2 * u] * x[2 * a + 1];
-        th[a] = add ? th[a] + l : l;
-    }
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) f(r, q, b3_row<TC>(r, q), b3_col<TC>(r, q));
 }
 
 /* Block (chunk c, head h), B3_THREADS threads, B3_SMEM floats of dynamic shared
@@ -321,16 +373,20 @@ MB_DEV void b3_angle(const float (&d)[4], const float *x, float *th, bool add)
  * Writes dz and dv into dzx's z and x columns, and per token and head dQKG, dQ (of
  * q_rot), dK (of k_rot, times the scale), dsc (of the scale), dadt (of A*dt) and
  * per angle TH = lq + lk, lq = dq[2a+1] q[2a] - dq[2a] q[2a+1] with q, dq the rotated
- * q and its gradient (likewise k). Two blocks per multiprocessor (128 registers): one
- * alone leaves its barriers and loads unhidden. */
-MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2)
-mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q,
-               const float *K, const float *V, const float *DT, const float *SIG,
-               const float *ADT, const float *QKG, const float *hck, const float *dhL,
-               const float *F0c, const float *D, const float *zx, const float *dyg, float *dzx,
-               float *dQKG, float *dQ, float *dK, float *dsc, float *dadt, float *TH)
+ * q and its gradient (likewise k). TC: the products on the tensor cores (fast mode),
+ * else fmaf chains in the reference's order. Two blocks per multiprocessor (128
+ * registers): one alone leaves its barriers and loads unhidden. */
+#define B3_CHUNK_PARAMS                                                                       \
+    const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,  \
+        const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
+        const float *hck, const float *dhL, const float *F0c, const float *D, const float *zx, \
+        const float *dyg, float *dzx, float *dQKG, float *dQ, float *dK, float *dsc,         \
+        float *dadt, float *TH
+#define B3_CHUNK_ARGS                                                                    \
+    desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, F0c, D, zx, dyg, dzx, dQKG, dQ, \
+        dK, dsc, dadt, TH
+template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
 {
-    extern __shared__ __align__(16) float sm[];
     float *cs = sm, *ev = cs + M3Q, *sc = ev + M3Q, *dec = sc + M3Q, *av = dec + M3Q;
     float *Fv = av + M3Q, *Rv = Fv + M3Q, *adt = Rv + M3Q;
     float *DY = sm + 8 * M3Q;      /* dy (M3Q, B3_RS); then dvd, then halves of dks */
@@ -341,7 +397,7 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
     const int64_t e0 = d[1], tok = d[4];
     const int n = (int)d[2], ni = (n + B3_K - 1) / B3_K, nj = (n - 1 + B3_K - 1) / B3_K;
     const bool fold = d[5] != 0;
-    const int tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
+    const int tid = threadIdx.x;
     const float *hp = hck + ch * B3_PER, *dl = dhL + ch * B3_PER, Dh = D[h];
 
     /* the row vectors (rows past n +0); dy */
@@ -372,20 +428,16 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
              }),
              b3_in<true>([&](int s, int x, int kk) { return hp[x * SSD_NS + B3_K * s + kk]; }),
              [&](int) {
-                 b3_full(ga, T);
-                 b3_mma<false>(ya, T, T + 2 * B3_TILE, b3_every());
+                 b3_full<TC>(ga, T, T + B3_TILE);
+                 b3_full<TC>(ya, T, T + 2 * B3_TILE);
              });
     /* G into Mm's triangle; a_i = (dy . Ys) * exp(cs_i), Ys parked in dseg's triangle
      * and the tiles (free until the next step) */
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int i = 4 * ti + r, j = 4 * tj + q;
-            if (j < i && i < n) MM[B3_TRI(i, j)] = ga[r][q];
-            YS[i * B3_RS + j] = ya[r][q];
-        }
+    b3_each<TC>([&](int r, int q, int i, int j) {
+        if (j < i && i < n) MM[B3_TRI(i, j)] = ga[r][q];
+        YS[i * B3_RS + j] = ya[r][q];
+    });
     __syncthreads();
     if (tid < n) {
         float b = 0.0f;
@@ -401,11 +453,10 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
              b3_in<true>([&](int s, int x, int kk) {
                  return x < n ? V[B3_EH(x) * SSD_HP + B3_K * s + kk] : 0.0f;
              }),
-             b3_none(), [&](int) { b3_full(pa, T); });
-    if (ti == tj)
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-            if (4 * ti + r < n) dQKG[(tok + 4 * ti + r) * H + h] = pa[r][r];
+             b3_none(), [&](int) { b3_full<TC>(pa, T, T + B3_TILE); });
+    b3_each<TC>([&](int r, int q, int i, int j) {
+        if (i == j && i < n) dQKG[(tok + i) * H + h] = pa[r][q];
+    });
     /* seg_ij = the serial sum of A*dt over j < u <= i (down column j); then per pair
      * Lm = exp(seg), dseg = (dP * G) * Lm, dG = dP * Lm, Mm = G * Lm */
     if (tid < n) {
@@ -416,18 +467,15 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int i = 4 * ti + r, j = 4 * tj + q, o = B3_TRI(i, j);
-            if (j < i && i < n) {
-                const float lm = mb_exp(W[o]), dp = pa[r][q], g = MM[o];
-                W[o] = (dp * g) * lm;
-                DG[o] = dp * lm;
-                MM[o] = g * lm;
-            }
+    b3_each<TC>([&](int r, int q, int i, int j) {
+        const int o = B3_TRI(i, j);
+        if (j < i && i < n) {
+            const float lm = mb_exp(W[o]), dp = pa[r][q], g = MM[o];
+            W[o] = (dp * g) * lm;
+            DG[o] = dp * lm;
+            MM[o] = g * lm;
         }
+    });
     __syncthreads();
     /* dseg's inclusive row prefix sums */
     if (tid < n)
@@ -444,21 +492,14 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                  const int u = B3_K * s + kk;
                  return u < n ? V[B3_EH(u) * SSD_HP + x] : 0.0f;
              }),
-             b3_none(), [&](int s) { b3_below(yi, T, B3_K * s); });
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int i = 4 * ti + r;
-        if (i >= n) continue;
-        const float g = Dh + QKG[B3_EH(i)];
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int p = 4 * tj + q;
-            const int64_t o = (tok + i) * dip + h * SSD_HP + p;
-            float y = ya[r][q] * ev[i] + yi[r][q];
-            y = y + g * V[B3_EH(i) * SSD_HP + p];
-            dzx[o] = (dyg[(tok + i) * di + h * SSD_HP + p] * y) * mb_dsilu(zx[o]);
-        }
-    }
+             b3_none(), [&](int s) { b3_below<TC>(yi, T, B3_K * s); });
+    b3_each<TC>([&](int r, int q, int i, int p) {
+        if (i >= n) return;
+        const int64_t o = (tok + i) * dip + h * SSD_HP + p;
+        float y = ya[r][q] * ev[i] + yi[r][q];
+        y = y + (Dh + QKG[B3_EH(i)]) * V[B3_EH(i) * SSD_HP + p];
+        dzx[o] = (dyg[(tok + i) * di + h * SSD_HP + p] * y) * mb_dsilu(zx[o]);
+    });
 
     /* R_l = sum_{i>=l} of row i's prefix up to l - 1 (i ascending) */
     __syncthreads();
@@ -478,7 +519,7 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                  b3_in<false>([&](int s, int x, int kk) {
                      return hp[(B3_K * s + kk) * SSD_NS + m0 + x];
                  }),
-                 b3_none(), [&](int) { b3_full(t1, T); });
+                 b3_none(), [&](int) { b3_full<TC>(t1, T, T + B3_TILE); });
         b3_steps(nj, T, b3_in<true>([&](int s, int x, int kk) {
                      const int j = B3_K * s + kk;
                      return j < x && x < n ? DG[B3_TRI(x, j)] : 0.0f;
@@ -487,16 +528,15 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                      const int j = B3_K * s + kk;
                      return j < n ? K[B3_EH(j) * SSD_NS + m0 + x] * sc[j] : 0.0f;
                  }),
-                 b3_none(), [&](int s) { b3_below(t2, T, B3_K * s); });
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int i = 4 * ti + r;
-            if (i >= n) continue;
-            float *o = dQ + B3_EH(i) * SSD_NS + m0 + 4 * tj, d[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) o[q] = d[q] = t1[r][q] + t2[r][q];
-            if (m0 == 0) b3_angle(d, Q + B3_EH(i) * SSD_NS, TH + B3_EH(i) * M3A, false);
-        }
+                 b3_none(), [&](int s) { b3_below<TC>(t2, T, B3_K * s); });
+        /* columns j, j + 1 of a row are one angle pair, in both schedules */
+        b3_each<TC>([&](int r, int q, int i, int j) {
+            if (i >= n || q % 2) return;
+            const float d0 = t1[r][q] + t2[r][q], d1 = t1[r][q + 1] + t2[r][q + 1];
+            dQ[B3_EH(i) * SSD_NS + m0 + j] = d0;
+            dQ[B3_EH(i) * SSD_NS + m0 + j + 1] = d1;
+            if (m0 == 0) b3_angle(d0, d1, Q + B3_EH(i) * SSD_NS, TH + B3_EH(i) * M3A, j / 2, false);
+        });
     }
 
     /* the fold's dvd_j = ks_j . dh over m */
@@ -508,7 +548,7 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                  b3_in<false>([&](int s, int x, int kk) {
                      return dl[(B3_K * s + kk) * SSD_HP + x];
                  }),
-                 b3_none(), [&](int) { b3_full(dv, T); });
+                 b3_none(), [&](int) { b3_full<TC>(dv, T, T + B3_TILE); });
 
     /* dv_j = ((sum_{i>j} Mm_ij dy_i, i descending) + (D + qk_gamma_j) dy_j) + dvd_j dec_j */
     float tv[4][4] = {};
@@ -519,27 +559,17 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
              b3_in<false>([&](int s, int x, int kk) {
                  return DY[(B3_K * (ni - 1 - s) + kk) * B3_RS + x];
              }),
-             b3_none(), [&](int s) { b3_above(tv, T, B3_K * (ni - 1 - s), n); });
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int j = 4 * ti + r;
-        if (j >= n) continue;
-        const float g = Dh + QKG[B3_EH(j)];
-        float *o = dzx + (tok + j) * dip + di + h * SSD_HP + 4 * tj;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            float t = tv[r][q] + g * DY[j * B3_RS + 4 * tj + q];
-            if (fold) t = t + dv[r][q] * dec[j];
-            o[q] = t;
-        }
-    }
+             b3_none(), [&](int s) { b3_above<TC>(tv, T, B3_K * (ni - 1 - s), n); });
+    b3_each<TC>([&](int r, int q, int j, int p) {
+        if (j >= n) return;
+        float t = tv[r][q] + (Dh + QKG[B3_EH(j)]) * DY[j * B3_RS + p];
+        if (fold) t = t + dv[r][q] * dec[j];
+        dzx[(tok + j) * dip + di + h * SSD_HP + p] = t;
+    });
     /* F_j = dot(dvd_j, v_j) * dec_j, dvd in dy's space */
     __syncthreads();
     if (fold) {
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) DY[(4 * ti + r) * B3_RS + 4 * tj + q] = dv[r][q];
+        b3_each<TC>([&](int r, int q, int i, int j) { DY[i * B3_RS + j] = dv[r][q]; });
         __syncthreads();
         if (tid < n) {
             const float *v = V + B3_EH(tid) * SSD_HP;
@@ -562,7 +592,7 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                      const int i = B3_K * (ni - 1 - s) + kk;
                      return i < n ? Q[B3_EH(i) * SSD_NS + m0 + x] : 0.0f;
                  }),
-                 b3_none(), [&](int s) { b3_above(tk, T, B3_K * (ni - 1 - s), n); });
+                 b3_none(), [&](int s) { b3_above<TC>(tk, T, B3_K * (ni - 1 - s), n); });
         if (fold)
             b3_steps(SSD_HP / B3_K, T, b3_in<true>([&](int s, int x, int kk) {
                          return x < n ? V[B3_EH(x) * SSD_HP + B3_K * s + kk] * dec[x] : 0.0f;
@@ -570,22 +600,23 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
                      b3_in<true>([&](int s, int x, int kk) {
                          return dl[(m0 + x) * SSD_HP + B3_K * s + kk];
                      }),
-                     b3_none(), [&](int) { b3_full(fk, T); });
+                     b3_none(), [&](int) { b3_full<TC>(fk, T, T + B3_TILE); });
         __syncthreads(); /* every read of dy's space (F, the previous half) done */
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int j = 4 * ti + r;
-            float d[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float t = tk[r][q];
-                if (fold) t = t + fk[r][q];
-                DY[j * B3_RS + 4 * tj + q] = t;
-                d[q] = t * sc[j];
-                if (j < n) dK[B3_EH(j) * SSD_NS + m0 + 4 * tj + q] = d[q];
+        b3_each<TC>([&](int r, int q, int j, int m) {
+            if (q % 2) return;
+            float t0 = tk[r][q], t1 = tk[r][q + 1];
+            if (fold) {
+                t0 = t0 + fk[r][q];
+                t1 = t1 + fk[r][q + 1];
             }
-            if (j < n && m0 == 0) b3_angle(d, K + B3_EH(j) * SSD_NS, TH + B3_EH(j) * M3A, true);
-        }
+            DY[j * B3_RS + m] = t0;
+            DY[j * B3_RS + m + 1] = t1;
+            if (j >= n) return;
+            const float d0 = t0 * sc[j], d1 = t1 * sc[j];
+            dK[B3_EH(j) * SSD_NS + m0 + m] = d0;
+            dK[B3_EH(j) * SSD_NS + m0 + m + 1] = d1;
+            if (m0 == 0) b3_angle(d0, d1, K + B3_EH(j) * SSD_NS, TH + B3_EH(j) * M3A, m / 2, true);
+        });
         __syncthreads();
         if (tid < n) {
             const float *k = K + B3_EH(tid) * SSD_NS + m0;
@@ -617,6 +648,19 @@ mb_m3b_chunk_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const fl
         }
     }
 }
+
+MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2) mb_m3b_chunk_k(B3_CHUNK_PARAMS)
+{
+    extern __shared__ __align__(16) float sm[];
+    b3_chunk<false>(sm, B3_CHUNK_ARGS);
+}
+#if defined(MB_MMA)
+MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2) mb_m3b_fast_chunk_k(B3_CHUNK_PARAMS)
+{
+    extern __shared__ __align__(16) float sm[];
+    b3_chunk<true>(sm, B3_CHUNK_ARGS);
+}
+#endif
 
 /* One thread per (row b of L tokens, head h, angle a), tokens in reverse: TH (M, H,
  * M3A) holds each token's lq + lk (mb_m3b_chunk_k) and becomes Th_t = Th_{t+1} +

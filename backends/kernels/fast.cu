@@ -33,12 +33,7 @@
 #define TB_STAGES 3
 #define TB_THREADS (32 * TB_WM * TB_WN)
 
-#if !defined(__HIPCC__)
-/* TF32 operand, rounded to nearest (ties away) by adding half a unit of its 10-bit
- * mantissa: the tensor core ignores the 13 low bits. One integer add, where
- * cvt.rna.tf32.f32 costs several instructions on sm_90 (inf inputs become NaN). */
-MB_DEV uint32_t mb_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
-
+#if defined(MB_MMA)
 /* Four consecutive terms of a staged row, as TF32 operands. */
 MB_DEV void mb_tf32x4(uint32_t v[4], const float *p)
 {
@@ -47,15 +42,6 @@ MB_DEV void mb_tf32x4(uint32_t v[4], const float *p)
     v[1] = mb_tf32(f.y);
     v[2] = mb_tf32(f.z);
     v[3] = mb_tf32(f.w);
-}
-
-MB_DEV void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                        uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 MB_KERNEL void MB_BOUNDS_MIN(TB_THREADS, 2)

@@ -60,6 +60,28 @@ MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
 
+/* TF32 tensor cores (fast mode only): MB_MMA where the warp-wide
+ * mma.m16n8k8.row.col TF32 product exists (NVIDIA; the emulation defines its own).
+ * Thread (g = lane / 4, t = lane % 4) holds A's (g, t), (g + 8, t), (g, t + 4),
+ * (g + 8, t + 4), B's (t, g), (t + 4, g) and C's (g, 2t), (g, 2t + 1), (g + 8, 2t),
+ * (g + 8, 2t + 1). mb_tf32 rounds an operand to nearest (ties away) by adding half
+ * a unit of its 10-bit mantissa, since the tensor core ignores the 13 low bits: one
+ * integer add, where cvt.rna.tf32.f32 costs several instructions on sm_90 (inf
+ * becomes NaN). */
+#if !defined(__HIPCC__)
+#define MB_MMA 1
+MB_DEV uint32_t mb_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+
+MB_DEV void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                        uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 /* Stages of the cp.async rings (gemm.cu, rmsnorm.cu): four hide global latency on
  * NVIDIA; AMD's 64 KB of LDS per block holds two (there the copies are synchronous
  * anyway). The loaders size the rings' shared memory from the same number

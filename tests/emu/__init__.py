@@ -11,7 +11,7 @@ class EmulatedBackend(_cuda.CudaBackend):
     stages = 2  # vendor.h's MB_STAGES under the HIP spelling the emulation compiles
     gemv_kc = 128  # vendor.h's MB_GEMV_KC under that spelling
     m1b_group = 8  # back1.cu's M1B_G under that spelling
-    tensor_cores = False  # which leaves fast.cu's TF32 GEMM out
+    tensor_cores = True  # fast.cu's TF32 GEMM on builtins.h's emulated mma
 
 
 def backend(defines=()):

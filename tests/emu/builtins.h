@@ -106,6 +106,8 @@ static inline int __syncthreads_and(int pred)
 }
 
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
+struct __attribute__((aligned(8))) float2 { float x, y; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
@@ -126,6 +128,33 @@ static inline unsigned atomicAdd(unsigned *p, unsigned v)
 }
 static inline void __threadfence(void) {}
 static inline void __threadfence_system(void) {}
+
+/* mma.m16n8k8 TF32 (vendor.h's fragment layout) across the 32 fibers of the caller's
+ * warp: operands truncated to TF32 as the tensor core reads them, each output's eight
+ * products summed in double and added to c (fast mode promises accuracy, not bits). */
+#define MB_MMA 1
+static inline uint32_t mb_tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+static inline void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                               uint32_t b0, uint32_t b1)
+{
+    thread_local uint32_t ops[1024][6]; /* a block's fibers share one OS thread */
+    const unsigned me = threadIdx.x, base = me & ~31u, g = me % 32 / 4, t = me % 4;
+    const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+    memcpy(ops[me], mine, sizeof mine);
+    mb_emu_warp_sync();
+    auto tf = [](uint32_t u) { return (double)__uint_as_float(u & 0xffffe000u); };
+    float r[4];
+    for (unsigned e = 0; e < 4; e++) {
+        const unsigned row = g + 8 * (e / 2), col = 2 * t + e % 2;
+        double sum = 0.0;
+        for (unsigned k = 0; k < 8; k++)
+            sum += tf(ops[base + row % 8 * 4 + k % 4][row / 8 + 2 * (k / 4)]) *
+                   tf(ops[base + col * 4 + k % 4][4 + k / 4]);
+        r[e] = (float)((double)c[e] + sum);
+    }
+    mb_emu_warp_sync(); /* no lane overwrites its operands before every lane has read */
+    memcpy(c, r, sizeof r);
+}
 
 /* fast mode's hardware approximations (never compared bitwise); glibc declares an
  * __expf of its own, hence the macro */
