@@ -30,8 +30,8 @@ _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "m
 
 class Back3Mixin:
     """CudaBackend's m3_backward and m3_vjp. fast: the block norm, every projection
-    (forward and backward) and the chunk backward's products on fast mode's kernels,
-    the rest as in identical mode."""
+    (forward and backward) and the chunk backward's products (Sd and the chunk pass)
+    on fast mode's kernels, the rest as in identical mode."""
 
     def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
@@ -54,8 +54,8 @@ class Back3Mixin:
     def _m3_halves(self, w, d_model, x, fast):
         """(stages, pull) of GradMixin.g_backward for this call."""
         fast = fast and self.tensor_cores  # else the identical path, its bits
-        chunk = ("mb_m3b_fast_chunk_k",) if fast else ()  # its products on the tensor cores
-        self._kernels(*_KERNELS, *chunk,
+        tc = ("mb_m3b_fast_sd_k", "mb_m3b_fast_chunk_k") if fast else ()  # tensor cores
+        self._kernels(*_KERNELS, *tc,
                       smem={"mb_m3b_chunk_k": CHUNK_SMEM, "mb_m3b_fast_chunk_k": CHUNK_SMEM})
         self._enter()
         return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
@@ -146,7 +146,8 @@ class Back3Mixin:
                     # mb_ssd_dchain_k reads each element of Sd before it writes the same
                     # element of dh
                     Sd = dhL = inner(NC * H * per)
-                    self._launch(s, "mb_m3b_sd_k", (NC, H), CHUNK_THREADS,
+                    self._launch(s, "mb_m3b_fast_sd_k" if fast else "mb_m3b_sd_k", (NC, H),
+                                 CHUNK_THREADS,
                                  I["desc"], H, di, NP, a.Q, a.ADT, a.zx, dyg, Sd)
                     self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), THREADS,
                                  B, H, I["cbeg"], a.Ec, Sd, dhL)

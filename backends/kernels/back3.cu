@@ -14,10 +14,12 @@
  * sequence of operations:
  *   mb_m3b_rotate_k  the forward's rotation at the parked angles, keeping them.
  *   mb_m3b_sd_k      Sd_k per (chunk, head); dy = dg * silu(z) throughout.
+ *                    (mb_m3b_fast_sd_k: fast mode's, on the tensor cores)
  *   (ssd.cu's mb_ssd_dchain_k: dh leaving each chunk, serial over a row's chunks.)
  *   mb_m3b_f0_k      per folding chunk: the one chain of dot(dh^T, h^T).
  *   mb_m3b_chunk_k   per (chunk, head): the gradients of z, v, q_rot, k_rot * scale,
- *                    qk_gamma, the scales and A*dt; each token's angle terms.
+ *                    qk_gamma, the scales and A*dt; each token's angle terms
+ *                    (mb_m3b_fast_chunk_k: fast mode's, on the tensor cores).
  *   mb_m3b_theta_k   the angle gradient, their sum over each row's tokens in reverse.
  *   mb_m3b_token_k   per (token, head): dt, trap and dd_A's gradients.
  *   mb_m3b_unrot_k   per (token, head, pair): unrotated q and k gradients, the
@@ -29,8 +31,8 @@
  * 4 ti..+3 and columns 4 tj..+3, each output one fmaf chain over k in the
  * reference's direction, terms the reference does not have skipped; the operands
  * are staged 16 k at a time as (k, 64) tiles, the next step's loads in flight
- * during the current step's products. Fast mode's mb_m3b_fast_chunk_k runs the same
- * source with the products on the TF32 tensor cores (b3_tc). */
+ * during the current step's products. Fast mode's twins run the same source with
+ * the products on the TF32 tensor cores (b3_tc). */
 #include "ssd3.cu" /* and grad.cu (mb_dsilu), included before this file */
 
 #define B3_THREADS 256
@@ -235,6 +237,16 @@ template <bool TC> MB_DEV void b3_above(float (&acc)[4][4], const float *T, int 
     }
 }
 
+/* f(r, q, i, j) for each accumulator (r, q) of a tile, at row i and column j of the
+ * chunk: the epilogues below, in either schedule. */
+template <bool TC, class F> MB_DEV void b3_each(F f)
+{
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) f(r, q, b3_row<TC>(r, q), b3_col<TC>(r, q));
+}
+
 /* cs of a chunk's n rows: the serial cumsum of adt from +0 (thread 0), then a barrier. */
 MB_DEV void b3_cumsum(const float *adt, int n, float *cs)
 {
@@ -253,16 +265,18 @@ MB_DEV void b3_cumsum(const float *adt, int n, float *cs)
     (dyg[(tok + (i)) * di + h * SSD_HP + (p)] * mb_silu(zx[(tok + (i)) * dip + h * SSD_HP + (p)]))
 
 /* Block (chunk c, head h): Sd[c, h][m][p] = sum over the chunk's rows i ascending of
- * q_rot_i[m] * (dy_i[p] * exp(cs_i)), as two (64, 64) halves of m. */
-MB_KERNEL void MB_BOUNDS(B3_THREADS)
-mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q,
-            const float *ADT, const float *zx, const float *dyg, float *Sd)
+ * q_rot_i[m] * (dy_i[p] * exp(cs_i)), as two (64, 64) halves of m (TC: on the tensor
+ * cores). */
+#define B3_SD_PARAMS                                                                   \
+    const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *ADT, \
+        const float *zx, const float *dyg, float *Sd
+template <bool TC> MB_DEV void b3_sd(B3_SD_PARAMS)
 {
     __shared__ __align__(16) float T[2 * B3_TILE];
     __shared__ float ev[M3Q], DYE[M3Q * B3_RS];
     const int64_t c = blockIdx.x, h = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], tok = d[4];
-    const int n = (int)d[2], tid = threadIdx.x, ti = tid / 16, tj = tid % 16;
+    const int n = (int)d[2], tid = threadIdx.x;
     if (tid < n) ev[tid] = ADT[B3_EH(tid)];
     __syncthreads();
     b3_cumsum(ev, n, ev);
@@ -286,19 +300,27 @@ mb_m3b_sd_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float
                  }),
                  b3_none(), [&](int s) {
                      const int k0 = B3_K * s;
-                     if (k0 + B3_K <= n)
-                         b3_full<false>(acc, T, T + B3_TILE);
+                     if (TC || k0 + B3_K <= n)
+                         b3_full<TC>(acc, T, T + B3_TILE);
                      else
                          b3_mma<false>(acc, T, T + B3_TILE,
                                        [&](int kk, int) { return k0 + kk < n; });
                  });
         float *o = Sd + (c * H + h) * B3_PER;
-#pragma unroll
-        for (int r = 0; r < 4; r++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) o[(m0 + 4 * ti + r) * SSD_HP + 4 * tj + q] = acc[r][q];
+        b3_each<TC>([&](int r, int q, int m, int p) { o[(m0 + m) * SSD_HP + p] = acc[r][q]; });
     }
 }
+
+MB_KERNEL void MB_BOUNDS(B3_THREADS) mb_m3b_sd_k(B3_SD_PARAMS)
+{
+    b3_sd<false>(desc, H, di, dip, Q, ADT, zx, dyg, Sd);
+}
+#if defined(MB_MMA)
+MB_KERNEL void MB_BOUNDS(B3_THREADS) mb_m3b_fast_sd_k(B3_SD_PARAMS)
+{
+    b3_sd<true>(desc, H, di, dip, Q, ADT, zx, dyg, Sd);
+}
+#endif
 
 /* Warp w of a block: chunk-head ch = blockIdx.x * B3_F0W + w (of NCH), if it folds:
  * F0c[ch] = the one chain over (m, p) row-major of dh^T[m][p] * h^T[m][p] (dh leaving
@@ -355,16 +377,6 @@ MB_DEV void b3_angle(float d0, float d1, const float *x, float *th, int a, bool 
 {
     const float l = d1 * x[2 * a] - d0 * x[2 * a + 1];
     th[a] = add ? th[a] + l : l;
-}
-
-/* f(r, q, i, j) for each accumulator (r, q) of a tile, at row i and column j of the
- * chunk: the epilogues below, in either schedule. */
-template <bool TC, class F> MB_DEV void b3_each(F f)
-{
-#pragma unroll
-    for (int r = 0; r < 4; r++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) f(r, q, b3_row<TC>(r, q), b3_col<TC>(r, q));
 }
 
 /* Block (chunk c, head h), B3_THREADS threads, B3_SMEM floats of dynamic shared
