@@ -30,8 +30,9 @@ _KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "m
 
 class Back3Mixin:
     """CudaBackend's m3_backward and m3_vjp. fast: the block norm, every projection
-    (forward and backward) and the chunk backward's products (Sd and the chunk pass)
-    on fast mode's kernels, the rest as in identical mode."""
+    (forward and backward), the forward's output kernel and the chunk backward's
+    products (Sd and the chunk pass) on fast mode's kernels, the rest as in identical
+    mode."""
 
     def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
         """Gradients of a zero-state prefill of x (B, L, d_model) for grad_output dy,
@@ -54,7 +55,7 @@ class Back3Mixin:
     def _m3_halves(self, w, d_model, x, fast):
         """(stages, pull) of GradMixin.g_backward for this call."""
         fast = fast and self.tensor_cores  # else the identical path, its bits
-        tc = ("mb_m3b_fast_sd_k", "mb_m3b_fast_chunk_k") if fast else ()  # tensor cores
+        tc = ("mb_m3_fast_y_k", "mb_m3b_fast_sd_k", "mb_m3b_fast_chunk_k") if fast else ()
         self._kernels(*_KERNELS, *tc,
                       smem={"mb_m3b_chunk_k": CHUNK_SMEM, "mb_m3b_fast_chunk_k": CHUNK_SMEM})
         self._enter()
@@ -107,8 +108,8 @@ class Back3Mixin:
                          I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
-        self._launch(s, "mb_m3_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, NP, Q,
-                     K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
+        self._launch(s, "mb_m3_fast_y_k" if fast else "mb_m3_y_k", (H, NC), TILE_THREADS,
+                     I["desc"], H, di, NP, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
         return SimpleNamespace(B=B, L=L, dm=dm, di=di, H=H, NP=NP, M=M, NC=NC, I=I, xd=xd,
                                xn=xn, zx=zx, Bn=Bn, Cn=Cn, Q=Q, K=K, DT=DT, SIG=SIG, ADT=ADT,
                                QKG=QKG, TA=TA, ANG=ANG, V=V, Ec=Ec, hck=hck, yg=yg)

@@ -7,7 +7,8 @@ every chunk in parallel, runs the state pass serially over each row's chunks, an
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
-and the conv on the fast kernels; the chunk kernels are the identical ones.
+and the conv on the fast kernels; Mamba-3's output kernel takes the tensor cores
+(mb_m3_fast_y_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -307,7 +308,9 @@ class SsdMixin:
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-                     "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k")
+                     "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k",
+                     *(("mb_m3_fast_y_k",) if fast and self.tensor_cores else ()))
+        y_k = "mb_m3_fast_y_k" if fast and self.tensor_cores else "mb_m3_y_k"
         self._enter()
         st = self.stream()
         s = st.cu
@@ -371,7 +374,7 @@ class SsdMixin:
                              dsc, H, K, V, DT, SIG, ADT, 0, S, E0)
                 self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                              nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
-                self._launch(s, "mb_m3_y_k", (H, nc), TILE_THREADS, dsc, H, di, di, Q, K, V, DT,
+                self._launch(s, y_k, (H, nc), TILE_THREADS, dsc, H, di, di, Q, K, V, DT,
                              SIG, ADT, QKG, S, D, z, z)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,

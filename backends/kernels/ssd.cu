@@ -254,6 +254,85 @@ MB_DEV void ssd_mma64_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const fl
                        lim + ssd_r(t));
 }
 
+/* Fast mode's tiles (TC, where MB_MMA is): warp w of the two owns rows 32 w..+31 as
+ * 2 x 8 m16n8k8 TF32 products, acc[r][q] the accumulator q % 4 of the product at rows
+ * 16 (q / 4) and columns 8 r (vendor.h's layout). Term t (t + 4) of a step of 8 is
+ * k = 2 t (+ 1), which keeps a fragment's lanes on distinct banks (SSD_LD = 4 mod
+ * 32). */
+template <bool TC> MB_DEV int ssd_row(int r, int q)
+{
+    const int t = threadIdx.x;
+    return TC ? 32 * (t / 32) + 16 * (q / 4) + t % 32 / 4 + 8 * (q % 4 / 2) : ssd_r(t) + r;
+}
+template <bool TC> MB_DEV int ssd_col(int r, int q)
+{
+    const int t = threadIdx.x;
+    return TC ? 8 * r + 2 * (t % 4) + q % 2 : ssd_cq(t, q);
+}
+
+/* f(r, q, i, j) for each accumulator (r, q) of a 64 x 64 tile, at row i, column j. */
+template <bool TC, class F> MB_DEV void ssd_each(F f)
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int q = 0; q < 8; q++) f(r, q, ssd_row<TC>(r, q), ssd_col<TC>(r, q));
+}
+
+/* Declared for every vendor; only fast mode's kernels, built where MB_MMA is, call it. */
+MB_DEV void ssd_tc(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                   int k0, int k1, int lim);
+#if defined(MB_MMA)
+/* acc += a[k][i] b[k][j] over k in [k0, k1), row i taking k only below lim + i, on
+ * the tensor cores: terms outside are zeroed in the fragments (a staged tile may
+ * hold anything there). */
+MB_DEV void ssd_tc(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                   int k0, int k1, int lim)
+{
+    const int t = threadIdx.x, g = t % 32 / 4, i0 = 32 * (t / 32) + g;
+    for (int k = k0; k < k1; k += 8) {
+        const int kl = k + 2 * (t % 4), kh = kl + 1;
+        uint32_t af[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int i = i0 + 16 * u;
+            af[u][0] = mb_tf32(kl < k1 && kl < lim + i ? a[kl][i] : 0.0f);
+            af[u][1] = mb_tf32(kl < k1 && kl < lim + i + 8 ? a[kl][i + 8] : 0.0f);
+            af[u][2] = mb_tf32(kh < k1 && kh < lim + i ? a[kh][i] : 0.0f);
+            af[u][3] = mb_tf32(kh < k1 && kh < lim + i + 8 ? a[kh][i + 8] : 0.0f);
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const uint32_t b0 = mb_tf32(kl < k1 ? b[kl][8 * r + g] : 0.0f);
+            const uint32_t b1 = mb_tf32(kh < k1 ? b[kh][8 * r + g] : 0.0f);
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+                mb_mma_tf32(&acc[r][4 * u], af[u][0], af[u][1], af[u][2], af[u][3], b0, b1);
+        }
+    }
+}
+#endif
+
+/* ssd_mma64 and ssd_mma64_tri in either schedule. */
+template <bool TC>
+MB_DEV void ssd_prod(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                     int k0, int k1)
+{
+    if constexpr (TC)
+        ssd_tc(acc, a, b, k0, k1, 1 << 30);
+    else
+        ssd_mma64(acc, a, b, k0, k1);
+}
+template <bool TC>
+MB_DEV void ssd_prod_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+                         int k0, int k1, int lim)
+{
+    if constexpr (TC)
+        ssd_tc(acc, a, b, k0, k1, lim);
+    else
+        ssd_mma64_tri(acc, a, b, k0, k1, lim);
+}
+
 MB_DEV void ssd_zero(float (&acc)[8][8])
 {
 #pragma unroll

@@ -272,11 +272,12 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
  * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
  * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
  * < n. yg may be z itself (dip = di): each element of z is read only by the thread
- * that then writes it. */
-MB_KERNEL void MB_BOUNDS(SSD_UT)
-mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K,
-          const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG,
-          const float *hck, const float *D, const float *zx, float *yg)
+ * that then writes it. TC (mb_m3_fast_y_k): the products on the tensor cores. */
+#define M3_Y_PARAMS                                                                       \
+    const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
+        const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
+        const float *hck, const float *D, const float *zx, float *yg
+template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
@@ -303,7 +304,7 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
         ssd_stage_t<64>(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
         ssd_stage_t<64>(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
         __syncthreads();
-        ssd_mma64(acc, Ta, Tb, 0, 64);
+        ssd_prod<TC>(acc, Ta, Tb, 0, 64);
     }
     /* seg down column j = t into Ta[j][i], four rows to a float4 store (rows up to j
      * are never read); v into Tb */
@@ -326,51 +327,73 @@ mb_m3_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *
     }
     ssd_stage(Tb, (int)n, [&](int u, int p) { return v[u * H * SSD_HP + p]; });
     __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-#pragma unroll
-        for (int qq = 0; qq < 8; qq++) {
-            const int i = ssd_r(t) + r, j = ssd_cq(t, qq);
-            if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
-            acc[r][qq] = 0.0f;
-        }
+    ssd_each<TC>([&](int r, int qq, int i, int j) {
+        if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
+        acc[r][qq] = 0.0f;
+    });
     __syncthreads();
-    ssd_mma64_tri(acc, Ta, Tb, 0, (int)n, 0);
+    ssd_prod_tri<TC>(acc, Ta, Tb, 0, (int)n, 0);
     __syncthreads(); /* M and v are consumed */
-    ssd_park(Ta, acc);
+    if constexpr (TC)
+        ssd_each<TC>([&](int r, int qq, int i, int j) { Ta[i][j] = acc[r][qq]; });
+    else
+        ssd_park(Ta, acc);
     ssd_zero(acc);
     for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
         __syncthreads(); /* the previous columns are consumed */
         ssd_stage_t<32>(Tb, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
         ssd_stage_t<32>(Tb + 32, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
         __syncthreads();
-        ssd_mma64(acc, Tb, Tb + 32, 0, 32);
+        ssd_prod<TC>(acc, Tb, Tb + 32, 0, 32);
     }
-    /* a row's v and z are all loaded before its outputs are stored (a store may
-     * alias a later load, so the loads would not move up past it) */
     const int64_t tok0 = d[4];
+    if constexpr (TC) {
+        ssd_each<TC>([&](int r, int qq, int i, int p) {
+            if (i < r0 || i >= n) return;
+            const int64_t tok = tok0 + i - r0;
+            const float vr = v[i * H * SSD_HP + p], zr = zx[tok * dip + h * SSD_HP + p];
+            float y = acc[r][qq] * mb_exp(cs[i]) + Ta[i][p];
+            y = y + (D[h] + QKG[(e0 + i) * H + h]) * vr;
+            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr);
+        });
+    } else {
+        /* a row's v and z are all loaded before its outputs are stored (a store may
+         * alias a later load, so the loads would not move up past it) */
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int64_t i = ssd_r(t) + r;
-        if (i < r0 || i >= n) continue;
-        const int64_t tok = tok0 + i - r0;
-        const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
-        float vr[8], zr[8];
+        for (int r = 0; r < 8; r++) {
+            const int64_t i = ssd_r(t) + r;
+            if (i < r0 || i >= n) continue;
+            const int64_t tok = tok0 + i - r0;
+            const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
+            float vr[8], zr[8];
 #pragma unroll
-        for (int qq = 0; qq < 8; qq++) {
-            vr[qq] = vi[ssd_cq(t, qq)];
-            zr[qq] = zi[ssd_cq(t, qq)];
-        }
-        const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
+            for (int qq = 0; qq < 8; qq++) {
+                vr[qq] = vi[ssd_cq(t, qq)];
+                zr[qq] = zi[ssd_cq(t, qq)];
+            }
+            const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
-        for (int qq = 0; qq < 8; qq++) {
-            const int p = ssd_cq(t, qq);
-            float y = acc[r][qq] * e + Ta[i][p];
-            y = y + dq * vr[qq];
-            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
+            for (int qq = 0; qq < 8; qq++) {
+                const int p = ssd_cq(t, qq);
+                float y = acc[r][qq] * e + Ta[i][p];
+                y = y + dq * vr[qq];
+                yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
+            }
         }
     }
 }
+
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
+{
+    m3_y<false>(desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg);
+}
+#if defined(MB_MMA)
+/* fast mode's: the products on the tensor cores */
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_fast_y_k(M3_Y_PARAMS)
+{
+    m3_y<true>(desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg);
+}
+#endif
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
