@@ -7,8 +7,8 @@ every chunk in parallel, runs the state pass serially over each row's chunks, an
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
-and the conv on the fast kernels; Mamba-3's output kernel takes the tensor cores
-(mb_m3_fast_y_k), the other chunk kernels are the identical ones.
+and the conv on the fast kernels; the output kernels take the tensor cores
+(mb_m2_fast_y_k, mb_m3_fast_y_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -178,7 +178,9 @@ class SsdMixin:
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k")
+                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k",
+                     *(("mb_m2_fast_y_k",) if fast and self.tensor_cores else ()))
+        y_k = "mb_m2_fast_y_k" if fast and self.tensor_cores else "mb_m2_y_k"
         self._enter()
         st = self.stream()
         s = st.cu
@@ -232,7 +234,7 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
-            self._launch(s, "mb_m2_y_k", (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+            self._launch(s, y_k, (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, zx, NP, 0, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,

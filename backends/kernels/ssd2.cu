@@ -118,11 +118,13 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
  *   time, both in Ta);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
  *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
- *   token rows, NP apart); either output may be null. */
-MB_KERNEL void MB_BOUNDS(SSD_UT)
-mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,
-          const float *dt, const float *dA, const float *cs, const float *hck, const float *D,
-          const float *zx, int64_t NP, float *yb, float *yg)
+ *   token rows, NP apart); either output may be null.
+ * TC (mb_m2_fast_y_k): the products on the tensor cores. */
+#define M2_Y_PARAMS                                                                         \
+    const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
+        const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
+        const float *zx, int64_t NP, float *yb, float *yg
+template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
     __shared__ float dAs[M2Q], dts[M2Q], segc[M2Q];
@@ -178,14 +180,17 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
             __syncthreads();
             if (out) {
                 if (j0 < i0)
-                    ssd_mma64(acc, Ta, Tb, 0, nj);
+                    ssd_prod<TC>(acc, Ta, Tb, 0, nj);
                 else
-                    ssd_mma64_tri(acc, Ta, Tb, 0, nj, 1);
+                    ssd_prod_tri<TC>(acc, Ta, Tb, 0, nj, 1);
             }
         }
         if (!out) continue;
         __syncthreads(); /* the last operands are consumed */
-        ssd_park(Tb, acc);
+        if constexpr (TC)
+            ssd_each<TC>([&](int r, int q, int i, int p) { Tb[i][p] = acc[r][q]; });
+        else
+            ssd_park(Tb, acc);
         ssd_zero(acc);
         for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
             __syncthreads(); /* the previous columns are consumed */
@@ -194,17 +199,23 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
             });
             ssd_stage_t<32>(Ta + 32, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
             __syncthreads();
-            ssd_mma64(acc, Ta, Ta + 32, 0, 32);
+            ssd_prod<TC>(acc, Ta, Ta + 32, 0, 32);
         }
         /* Y_diag + Y_off * exp(cs_i) parked in place, then the rows a float4 a thread
          * at a time (coalesced x, z and stores), + x * D and the gate */
+        if constexpr (TC) {
+            ssd_each<TC>([&](int r, int q, int i, int p) {
+                Tb[i][p] = Tb[i][p] + acc[r][q] * mb_exp(cs[ch * M2Q + i0 + i]);
+            });
+        } else {
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
+            for (int r = 0; r < 8; r++) {
+                const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
 #pragma unroll
-            for (int q = 0; q < 8; q++) {
-                float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
-                *y = *y + acc[r][q] * e;
+                for (int q = 0; q < 8; q++) {
+                    float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
+                    *y = *y + acc[r][q] * e;
+                }
             }
         }
         __syncthreads();
@@ -233,6 +244,18 @@ mb_m2_y_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U
         }
     }
 }
+
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
+{
+    m2_y<false>(desc, H, di, CD, U, G, dt, dA, cs, hck, D, zx, NP, yb, yg);
+}
+#if defined(MB_MMA)
+/* fast mode's: the products on the tensor cores */
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_fast_y_k(M2_Y_PARAMS)
+{
+    m2_y<true>(desc, H, di, CD, U, G, dt, dA, cs, hck, D, zx, NP, yb, yg);
+}
+#endif
 
 #undef M2Q
 #undef G_TILES
