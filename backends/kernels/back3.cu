@@ -311,16 +311,8 @@ template <bool TC> MB_DEV void b3_sd(B3_SD_PARAMS)
     }
 }
 
-MB_KERNEL void MB_BOUNDS(B3_THREADS) mb_m3b_sd_k(B3_SD_PARAMS)
-{
-    b3_sd<false>(desc, H, di, dip, Q, ADT, zx, dyg, Sd);
-}
-#if defined(MB_MMA)
-MB_KERNEL void MB_BOUNDS(B3_THREADS) mb_m3b_fast_sd_k(B3_SD_PARAMS)
-{
-    b3_sd<true>(desc, H, di, dip, Q, ADT, zx, dyg, Sd);
-}
-#endif
+MB_KERNEL_PAIR(MB_BOUNDS(B3_THREADS), mb_m3b_sd_k, mb_m3b_fast_sd_k, B3_SD_PARAMS, b3_sd, desc, H,
+               di, dip, Q, ADT, zx, dyg, Sd)
 
 /* Warp w of a block: chunk-head ch = blockIdx.x * B3_F0W + w (of NCH), if it folds:
  * F0c[ch] = the one chain over (m, p) row-major of dh^T[m][p] * h^T[m][p] (dh leaving
@@ -394,9 +386,6 @@ MB_DEV void b3_angle(float d0, float d1, const float *x, float *th, int a, bool 
         const float *hck, const float *dhL, const float *F0c, const float *D, const float *zx, \
         const float *dyg, float *dzx, float *dQKG, float *dQ, float *dK, float *dsc,         \
         float *dadt, float *TH
-#define B3_CHUNK_ARGS                                                                    \
-    desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, F0c, D, zx, dyg, dzx, dQKG, dQ, \
-        dK, dsc, dadt, TH
 template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
 {
     float *cs = sm, *ev = cs + M3Q, *sc = ev + M3Q, *dec = sc + M3Q, *av = dec + M3Q;
@@ -661,18 +650,9 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
     }
 }
 
-MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2) mb_m3b_chunk_k(B3_CHUNK_PARAMS)
-{
-    extern __shared__ __align__(16) float sm[];
-    b3_chunk<false>(sm, B3_CHUNK_ARGS);
-}
-#if defined(MB_MMA)
-MB_KERNEL void MB_BOUNDS_MIN(B3_THREADS, 2) mb_m3b_fast_chunk_k(B3_CHUNK_PARAMS)
-{
-    extern __shared__ __align__(16) float sm[];
-    b3_chunk<true>(sm, B3_CHUNK_ARGS);
-}
-#endif
+MB_KERNEL_PAIR(MB_BOUNDS_MIN(B3_THREADS, 2), mb_m3b_chunk_k, mb_m3b_fast_chunk_k, B3_CHUNK_PARAMS,
+               b3_chunk, sm, desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, F0c, D, zx,
+               dyg, dzx, dQKG, dQ, dK, dsc, dadt, TH)
 
 /* One thread per (row b of L tokens, head h, angle a), tokens in reverse: TH (M, H,
  * M3A) holds each token's lq + lk (mb_m3b_chunk_k) and becomes Th_t = Th_{t+1} +

@@ -245,17 +245,8 @@ template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
     }
 }
 
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
-{
-    m2_y<false>(desc, H, di, CD, U, G, dt, dA, cs, hck, D, zx, NP, yb, yg);
-}
-#if defined(MB_MMA)
-/* fast mode's: the products on the tensor cores */
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_fast_y_k(M2_Y_PARAMS)
-{
-    m2_y<true>(desc, H, di, CD, U, G, dt, dA, cs, hck, D, zx, NP, yb, yg);
-}
-#endif
+MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), mb_m2_y_k, mb_m2_fast_y_k, M2_Y_PARAMS, m2_y, desc, H, di, CD,
+               U, G, dt, dA, cs, hck, D, zx, NP, yb, yg)
 
 #undef M2Q
 #undef G_TILES

@@ -383,17 +383,8 @@ template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
     }
 }
 
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
-{
-    m3_y<false>(desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg);
-}
-#if defined(MB_MMA)
-/* fast mode's: the products on the tensor cores */
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_fast_y_k(M3_Y_PARAMS)
-{
-    m3_y<true>(desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg);
-}
-#endif
+MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), mb_m3_y_k, mb_m3_fast_y_k, M3_Y_PARAMS, m3_y, desc, H, di, dip,
+               Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
