@@ -280,9 +280,9 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         MB_GV_STAGE(s, Ws, Wb, ldw, nrows, vw, GV_ROWS)
     MB_GRID_WAIT();
     __shared__ float rr[GV_MROWS];
-    __shared__ unsigned long long bad; /* the step's check: its first bad index */
-    if (tid == 0) bad = ~0ull;
+    __shared__ unsigned long long bad; /* the step's check (host): its first bad index */
     if (nw) { /* as rmsnorm.cu rms_whole, into the rows in place */
+        if (host && tid == 0) bad = ~0ull; /* mb_norm_rows's barriers order it */
         const float *sw = mb_norm_rows(Xs, xld, Xb, ldx, mrows, K, vx, nw, rr, tid, GV_THREADS);
         for (int m = 0; m < mrows; m++)
             for (int j = tid; j < K; j += GV_THREADS) {
