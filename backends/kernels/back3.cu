@@ -247,34 +247,15 @@ template <bool TC, class F> MB_DEV void b3_each(F f)
         for (int q = 0; q < 4; q++) f(r, q, b3_row<TC>(r, q), b3_col<TC>(r, q));
 }
 
-/* use(i, load(i)) for i = i0 .. i1 - 1 in order, the loads B3_RUN at a time ahead of
- * the uses: a serial chain that waits on memory once a run, where its stores would
- * otherwise hold each next load back (they may alias, for all the compiler knows).
- * A use may overwrite what a later load reads only at its own index. */
-#define B3_RUN 8
-template <class Load, class Use> MB_DEV void b3_serial(int i0, int i1, Load load, Use use)
-{
-    using T = decltype(load(i0));
-    for (int i = i0; i < i1; i += B3_RUN) {
-        T v[B3_RUN];
-#pragma unroll
-        for (int u = 0; u < B3_RUN; u++)
-            if (i + u < i1) v[u] = load(i + u);
-#pragma unroll
-        for (int u = 0; u < B3_RUN; u++)
-            if (i + u < i1) use(i + u, v[u]);
-    }
-}
-
 /* cs of a chunk's n rows: the serial cumsum of adt from +0 (thread 0), then a barrier. */
 MB_DEV void b3_cumsum(const float *adt, int n, float *cs)
 {
     if (threadIdx.x == 0) {
         float acc = 0.0f;
-        b3_serial(0, n, [&](int i) { return adt[i]; }, [&](int i, float a) {
-            acc = acc + a;
+        for (int i = 0; i < n; i++) {
+            acc = acc + adt[i];
             cs[i] = acc;
-        });
+        }
     }
     __syncthreads();
 }
@@ -481,10 +462,10 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
      * Lm = exp(seg), dseg = (dP * G) * Lm, dG = dP * Lm, Mm = G * Lm */
     if (tid < n) {
         float s = 0.0f;
-        b3_serial(tid + 1, n, [&](int i) { return adt[i]; }, [&](int i, float a) {
-            s = s + a;
+        for (int i = tid + 1; i < n; i++) {
+            s = s + adt[i];
             W[B3_TRI(i, tid)] = s;
-        });
+        }
     }
     __syncthreads();
     b3_each<TC>([&](int r, int q, int i, int j) {
@@ -498,13 +479,8 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
     });
     __syncthreads();
     /* dseg's inclusive row prefix sums */
-    if (tid > 1 && tid < n) {
-        float acc = W[B3_TRI(tid, 0)];
-        b3_serial(1, tid, [&](int j) { return W[B3_TRI(tid, j)]; }, [&](int j, float w) {
-            acc = acc + w;
-            W[B3_TRI(tid, j)] = acc;
-        });
-    }
+    if (tid < n)
+        for (int j = 1; j < tid; j++) W[B3_TRI(tid, j)] = W[B3_TRI(tid, j - 1)] + W[B3_TRI(tid, j)];
 
     /* the output before the gate, ypre = (Ys * exp(cs) + Mm . v) + (D + qk_gamma) * v,
      * and dz = (dg * ypre) * silu'(z); Mm . v over u < i ascending */
@@ -531,8 +507,7 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
     if (tid < n) {
         float r = 0.0f;
         if (tid > 0)
-            b3_serial(tid, n, [&](int i) { return W[B3_TRI(i, tid - 1)]; },
-                      [&](int, float w) { r = r + w; });
+            for (int i = tid; i < n; i++) r = r + W[B3_TRI(i, tid - 1)];
         Rv[tid] = r;
     }
 
@@ -654,26 +629,24 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
     /* dadt_l = ((sum_{i>=l} a_i + R_l) + F0) + sum_{j<l} F_j */
     __syncthreads();
     if (tid == 0) {
-        float sa = 0.0f; /* l = n - 1 - u, descending */
-        b3_serial(0, n, [&](int u) { return make_float2(av[n - 1 - u], Rv[n - 1 - u]); },
-                  [&](int u, float2 v) {
-                      sa = sa + v.x;
-                      Rv[n - 1 - u] = sa + v.y;
-                  });
+        float sa = 0.0f;
+        for (int l = n - 1; l >= 0; l--) {
+            sa = sa + av[l];
+            Rv[l] = sa + Rv[l];
+        }
         const float F0 = fold ? F0c[ch] * mb_exp(cl) : 0.0f;
         float pf = 0.0f;
-        b3_serial(0, n, [&](int l) { return make_float2(Rv[l], l > 0 ? Fv[l - 1] : 0.0f); },
-                  [&](int l, float2 r) {
-                      float v = r.x;
-                      if (fold) {
-                          v = v + F0;
-                          if (l > 0) {
-                              pf = pf + r.y;
-                              v = v + pf;
-                          }
-                      }
-                      dadt[(tok + l) * H + h] = v;
-                  });
+        for (int l = 0; l < n; l++) {
+            float v = Rv[l];
+            if (fold) {
+                v = v + F0;
+                if (l > 0) {
+                    pf = pf + Fv[l - 1];
+                    v = v + pf;
+                }
+            }
+            dadt[(tok + l) * H + h] = v;
+        }
     }
 }
 
