@@ -20,7 +20,8 @@ from . import _cuda
 from ._cuda import CudaError
 
 CODE_OBJECT = re.compile(r"mamba_kernels-(gfx[0-9a-f]+)\.hsaco")
-# fast.cu's tensor-core GEMM (TF32 mma) exists for NVIDIA only
+# fast.cu's tensor-core GEMM (TF32 mma) exists for NVIDIA only (so do the other
+# tensor-core kernels, which only a backend with tensor_cores looks up)
 CUDA_ONLY = ("mb_fast_gemm_k",)
 KERNELS = tuple(k for k in _cuda.KERNELS if k not in CUDA_ONLY)
 

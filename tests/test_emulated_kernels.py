@@ -501,6 +501,16 @@ def test_fast_mode_is_close(be, name):
         assert err <= FAST_RTOL, f"{name} fast mode: relative L2 error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_fast_mode_without_tensor_cores(be, name, monkeypatch):
+    """HIP's fast mode: without tensor cores the fast projections take the identical
+    GEMM and the SSD its identical kernels, so the backward gives the C reference's
+    bits and the forward stays within fast mode's bound (the two lanes above)."""
+    monkeypatch.setattr(be, "tensor_cores", False)
+    test_backward_fast_mode(be, name)
+    test_fast_mode_is_close(be, name)
+
+
 def test_session_guard_stays_on_its_thread(be):
     """A capture's pending step check (step_guard) belongs to the capturing thread: a
     norm another thread launches meanwhile neither takes it nor runs the check."""
