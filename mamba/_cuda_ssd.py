@@ -7,9 +7,8 @@ every chunk in parallel, runs the state pass serially over each row's chunks, an
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
-and the conv on the fast kernels; Mamba-2's G and the output kernels take the tensor
-cores (mb_m2_fast_g_k, mb_m2_fast_y_k, mb_m3_fast_y_k), the other chunk kernels are
-the identical ones.
+and the conv on the fast kernels; the output kernels take the tensor cores
+(mb_m2_fast_y_k, mb_m3_fast_y_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -180,10 +179,8 @@ class SsdMixin:
                     fast=False):
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k",
-                     *(("mb_m2_fast_g_k", "mb_m2_fast_y_k") if fast and self.tensor_cores
-                       else ()))
-        tc = "_fast" if fast and self.tensor_cores else ""  # the tensor cores' twins
-        g_k, y_k = f"mb_m2{tc}_g_k", f"mb_m2{tc}_y_k"
+                     *(("mb_m2_fast_y_k",) if fast and self.tensor_cores else ()))
+        y_k = "mb_m2_fast_y_k" if fast and self.tensor_cores else "mb_m2_y_k"
         self._enter()
         st = self.stream()
         s = st.cu
@@ -229,7 +226,7 @@ class SsdMixin:
             self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), C.THREADS, NC, I["desc"], H,
                          DTR, dt_bias, A_log, _bits(dt_limit[0]), _bits(dt_limit[1]), dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
-            self._launch(s, g_k, (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
+            self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
             self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,

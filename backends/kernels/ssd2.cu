@@ -42,9 +42,9 @@ MB_KERNEL void mb_m2_prep_k(int64_t NC, const int64_t *desc, int64_t H, const fl
 
 /* Block (tile, chunk c), SSD_UT threads: G[c][i][j] = dot(C_i, B_j) for r0 <= i < n,
  * j <= i, of the tile's rows and columns; C and B staged 64 of their 128 columns at
- * a time. TC (mb_m2_fast_g_k): the products on the tensor cores. */
-#define M2_G_PARAMS const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G
-template <bool TC> MB_DEV void m2_g(M2_G_PARAMS)
+ * a time. */
+MB_KERNEL void MB_BOUNDS(SSD_UT)
+mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
 {
     __shared__ __align__(16) float Ct[64][SSD_LD], Bt[64][SSD_LD];
     const int64_t c = blockIdx.y, *d = desc + c * MB_DESC, e0 = d[1], n = d[2], r0 = d[3];
@@ -62,15 +62,20 @@ template <bool TC> MB_DEV void m2_g(M2_G_PARAMS)
         });
         ssd_stage_t<64>(Bt, [&](int r, int k) { return j0 + r < n ? u[(j0 + r) * CD + m0 + k] : 0.0f; });
         __syncthreads();
-        ssd_prod<TC>(acc, Ct, Bt, 0, 64);
+        ssd_mma64(acc, Ct, Bt, 0, 64);
     }
-    ssd_each<TC>([&](int r, int q, int ii, int jj) {
-        const int64_t i = i0 + ii, j = j0 + jj;
-        if (i >= r0 && i < n && j <= i) G[(c * M2Q + i) * M2Q + j] = acc[r][q];
-    });
+    const int t = threadIdx.x;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int64_t i = i0 + ssd_r(t) + r;
+        if (i < r0 || i >= n) continue;
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+            const int64_t j = j0 + ssd_cq(t, q);
+            if (j <= i) G[(c * M2Q + i) * M2Q + j] = acc[r][q];
+        }
+    }
 }
-
-MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), mb_m2_g_k, mb_m2_fast_g_k, M2_G_PARAMS, m2_g, desc, di, CD, U, G)
 
 /* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
  * fold flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports,
