@@ -376,6 +376,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         number, owner = getattr(_current, "entry", None) or (LEGACY, None)
         return _Stream(self.cu, number, owner)
 
+    @staticmethod
+    def kname(stem, fast):
+        """The kernel mb_<stem>, or fast mode's twin mb_fast_<stem> (fast.cu, modes.h's
+        instantiations, vendor.h MB_KERNEL_PAIR)."""
+        return ("mb_fast_" if fast else "mb_") + stem
+
     def _kernels(self, *names, smem=None):
         """Look the named kernels up in the module on first use (those outside
         KERNELS, which __init__ loads); smem: {name: bytes of dynamic shared memory}
@@ -658,7 +664,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                               host)
         if conv:
             c0, C, window, w, bias, u, ldu, cguard = conv
-            self._launch(s, ("mb_fast_" if fast else "mb_") + "conv_step_k",
+            self._launch(s, self.kname("conv_step_k", fast),
                          (self._grid(M * C),), THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w,
                          bias, u, ldu, cguard)
 
@@ -800,7 +806,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         XR = R + 32
         norm_w, in_proj, conv_w, conv_b, x_proj, dt_w = w[:6]
         out_proj = w[9]
-        pre = "mb_fast_" if fast else "mb_"
         xs = xd
         if ragged:
             xs = b.xs
@@ -810,7 +815,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts, step)
         rows = min(B, 65535)
         if L > 1:
-            self._launch(s, pre + "conv_silu_k", (self._grid(_cdiv(L, CONV_RUN) * di), rows),
+            self._launch(s, self.kname("conv_silu_k", fast),
+                         (self._grid(_cdiv(L, CONV_RUN) * di), rows),
                          THREADS, B, off, di, b.xz, 2 * di, cw, conv_w, conv_b, b.u, di)
             self._launch(s, "mb_conv_window_k", (self._grid(B * di),), THREADS,
                          B, off, di, b.xz, 2 * di, cw)
@@ -828,7 +834,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         wide = fast and L > 1 and B * di >= 96 * self.sms
         ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if wide else
                            (SCAN_CHANNELS, 16, "scan1_k"))
-        self._launch(s, ("mb_fast_" if fast else "mb_") + name, (_cdiv(di, ch), min(B, 65535)),
+        self._launch(s, self.kname(name, fast), (_cdiv(di, ch), min(B, 65535)),
                      lanes * ch, B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard)
 
     def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0,

@@ -22,10 +22,10 @@ CHUNK_THREADS = 256                      # back3.cu B3_THREADS
 F0_CHAINS = 4                            # back3.cu B3_F0W
 _TRI, _TILE = M3_Q * (M3_Q - 1) // 2, 16 * (M3_Q + 4)
 CHUNK_SMEM = 4 * (8 * M3_Q + M3_Q * (HP + 1) + 3 * _TRI + 3 * _TILE)  # back3.cu B3_SMEM
-_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k", "mb_m3_y_k",
-            "mb_m3_angles_k", "mb_m3b_rotate_k", "mb_m3b_sd_k", "mb_ssd_dchain_k",
-            "mb_m3b_f0_k", "mb_m3b_chunk_k", "mb_m3b_theta_k", "mb_m3b_token_k",
-            "mb_m3b_unrot_k", "mb_m3b_heads_k")
+_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k",
+            "mb_m3_angles_k", "mb_m3b_rotate_k", "mb_ssd_dchain_k", "mb_m3b_f0_k",
+            "mb_m3b_theta_k", "mb_m3b_token_k", "mb_m3b_unrot_k", "mb_m3b_heads_k")
+_TWINS = ("m3_y_k", "m3b_sd_k", "m3b_chunk_k")  # and a tensor-core twin each (kname)
 
 
 class Back3Mixin:
@@ -55,9 +55,8 @@ class Back3Mixin:
     def _m3_halves(self, w, d_model, x, fast):
         """(stages, pull) of GradMixin.g_backward for this call."""
         fast = fast and self.tensor_cores  # else the identical path, its bits
-        tc = ("mb_m3_fast_y_k", "mb_m3b_fast_sd_k", "mb_m3b_fast_chunk_k") if fast else ()
-        self._kernels(*_KERNELS, *tc,
-                      smem={"mb_m3b_chunk_k": CHUNK_SMEM, "mb_m3b_fast_chunk_k": CHUNK_SMEM})
+        self._kernels(*_KERNELS, *(self.kname(k, fast) for k in _TWINS),
+                      smem={self.kname("m3b_chunk_k", fast): CHUNK_SMEM})
         self._enter()
         return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
                 lambda st, a, dyd, outs, consume: self._m3_pull(st, a, w, dyd, outs, fast,
@@ -108,7 +107,7 @@ class Back3Mixin:
                          I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
-        self._launch(s, "mb_m3_fast_y_k" if fast else "mb_m3_y_k", (H, NC), TILE_THREADS,
+        self._launch(s, self.kname("m3_y_k", fast), (H, NC), TILE_THREADS,
                      I["desc"], H, di, NP, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
         return SimpleNamespace(B=B, L=L, dm=dm, di=di, H=H, NP=NP, M=M, NC=NC, I=I, xd=xd,
                                xn=xn, zx=zx, Bn=Bn, Cn=Cn, Q=Q, K=K, DT=DT, SIG=SIG, ADT=ADT,
@@ -147,16 +146,14 @@ class Back3Mixin:
                     # mb_ssd_dchain_k reads each element of Sd before it writes the same
                     # element of dh
                     Sd = dhL = inner(NC * H * per)
-                    self._launch(s, "mb_m3b_fast_sd_k" if fast else "mb_m3b_sd_k", (NC, H),
-                                 CHUNK_THREADS,
+                    self._launch(s, self.kname("m3b_sd_k", fast), (NC, H), CHUNK_THREADS,
                                  I["desc"], H, di, NP, a.Q, a.ADT, a.zx, dyg, Sd)
                     self._launch(s, "mb_ssd_dchain_k", (self._grid(B * H * per),), THREADS,
                                  B, H, I["cbeg"], a.Ec, Sd, dhL)
                     F0c = inner(NC * H)
                     self._launch(s, "mb_m3b_f0_k", (-(-NC * H // F0_CHAINS),),
                                  32 * F0_CHAINS, NC * H, I["desc"], H, a.hck, dhL, F0c)
-                    self._launch(s, "mb_m3b_fast_chunk_k" if fast else "mb_m3b_chunk_k",
-                                 (NC, H), CHUNK_THREADS,
+                    self._launch(s, self.kname("m3b_chunk_k", fast), (NC, H), CHUNK_THREADS,
                                  I["desc"], H, di, NP, a.Q, a.K, a.V, a.DT, a.SIG, a.ADT, a.QKG,
                                  a.hck, dhL, F0c, D, a.zx, dyg, dzx, dQKG, dQ, dK, dsc, dadt, TH,
                                  smem=CHUNK_SMEM)

@@ -8,7 +8,7 @@ stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
 and the conv on the fast kernels; the output kernels take the tensor cores
-(mb_m2_fast_y_k, mb_m3_fast_y_k), the other chunk kernels are the identical ones.
+(mb_fast_m2_y_k, mb_fast_m3_y_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -177,10 +177,9 @@ class SsdMixin:
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
+        y_k = self.kname("m2_y_k", fast and self.tensor_cores)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", "mb_m2_y_k",
-                     *(("mb_m2_fast_y_k",) if fast and self.tensor_cores else ()))
-        y_k = "mb_m2_fast_y_k" if fast and self.tensor_cores else "mb_m2_y_k"
+                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", y_k)
         self._enter()
         st = self.stream()
         s = st.cu
@@ -208,8 +207,8 @@ class SsdMixin:
             U, DTR = sc(E * CD), sc(E * H)
             unew = U if direct else sc(M * CD)
             xbc = zx + 4 * di
-            conv = "mb_fast_conv_silu_k" if fast else "mb_conv_silu_k"
-            self._launch(s, conv, self._rows_grid(L * CD, B), C.THREADS,
+            self._launch(s, self.kname("conv_silu_k", fast), self._rows_grid(L * CD, B),
+                         C.THREADS,
                          B, I["off"], CD, xbc, NP, cw, conv_w, conv_b, unew, CD)
             self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw)
@@ -308,11 +307,10 @@ class SsdMixin:
 
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False):
+        y_k = self.kname("m3_y_k", fast and self.tensor_cores)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-                     "mb_m3_fold_k", "mb_m3_y_k", "mb_m3_last_k",
-                     *(("mb_m3_fast_y_k",) if fast and self.tensor_cores else ()))
-        y_k = "mb_m3_fast_y_k" if fast and self.tensor_cores else "mb_m3_y_k"
+                     "mb_m3_fold_k", y_k, "mb_m3_last_k")
         self._enter()
         st = self.stream()
         s = st.cu

@@ -14,12 +14,12 @@
  * sequence of operations:
  *   mb_m3b_rotate_k  the forward's rotation at the parked angles, keeping them.
  *   mb_m3b_sd_k      Sd_k per (chunk, head); dy = dg * silu(z) throughout.
- *                    (mb_m3b_fast_sd_k: fast mode's, on the tensor cores)
+ *                    (mb_fast_m3b_sd_k: fast mode's, on the tensor cores)
  *   (ssd.cu's mb_ssd_dchain_k: dh leaving each chunk, serial over a row's chunks.)
  *   mb_m3b_f0_k      per folding chunk: the one chain of dot(dh^T, h^T).
  *   mb_m3b_chunk_k   per (chunk, head): the gradients of z, v, q_rot, k_rot * scale,
  *                    qk_gamma, the scales and A*dt; each token's angle terms
- *                    (mb_m3b_fast_chunk_k: fast mode's, on the tensor cores).
+ *                    (mb_fast_m3b_chunk_k: fast mode's, on the tensor cores).
  *   mb_m3b_theta_k   the angle gradient, their sum over each row's tokens in reverse.
  *   mb_m3b_token_k   per (token, head): dt, trap and dd_A's gradients.
  *   mb_m3b_unrot_k   per (token, head, pair): unrotated q and k gradients, the
@@ -311,8 +311,8 @@ template <bool TC> MB_DEV void b3_sd(B3_SD_PARAMS)
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS(B3_THREADS), mb_m3b_sd_k, mb_m3b_fast_sd_k, B3_SD_PARAMS, b3_sd, desc, H,
-               di, dip, Q, ADT, zx, dyg, Sd)
+MB_KERNEL_PAIR(MB_BOUNDS(B3_THREADS), m3b_sd_k, B3_SD_PARAMS, b3_sd, desc, H, di, dip, Q, ADT, zx,
+               dyg, Sd)
 
 /* Warp w of a block: chunk-head ch = blockIdx.x * B3_F0W + w (of NCH), if it folds:
  * F0c[ch] = the one chain over (m, p) row-major of dh^T[m][p] * h^T[m][p] (dh leaving
@@ -650,9 +650,9 @@ template <bool TC> MB_DEV void b3_chunk(float *sm, B3_CHUNK_PARAMS)
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS_MIN(B3_THREADS, 2), mb_m3b_chunk_k, mb_m3b_fast_chunk_k, B3_CHUNK_PARAMS,
-               b3_chunk, sm, desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, F0c, D, zx,
-               dyg, dzx, dQKG, dQ, dK, dsc, dadt, TH)
+MB_KERNEL_PAIR(MB_BOUNDS_MIN(B3_THREADS, 2), m3b_chunk_k, B3_CHUNK_PARAMS, b3_chunk, sm, desc, H,
+               di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, dhL, F0c, D, zx, dyg, dzx, dQKG, dQ,
+               dK, dsc, dadt, TH)
 
 /* One thread per (row b of L tokens, head h, angle a), tokens in reverse: TH (M, H,
  * M3A) holds each token's lq + lk (mb_m3b_chunk_k) and becomes Th_t = Th_{t+1} +

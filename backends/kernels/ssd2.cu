@@ -119,7 +119,7 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
  *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
  *   token rows, NP apart); either output may be null.
- * TC (mb_m2_fast_y_k): the products on the tensor cores. */
+ * TC (mb_fast_m2_y_k): the products on the tensor cores. */
 #define M2_Y_PARAMS                                                                         \
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
@@ -245,8 +245,8 @@ template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), mb_m2_y_k, mb_m2_fast_y_k, M2_Y_PARAMS, m2_y, desc, H, di, CD,
-               U, G, dt, dA, cs, hck, D, zx, NP, yb, yg)
+MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), m2_y_k, M2_Y_PARAMS, m2_y, desc, H, di, CD, U, G, dt, dA, cs,
+               hck, D, zx, NP, yb, yg)
 
 #undef M2Q
 #undef G_TILES

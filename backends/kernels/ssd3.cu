@@ -272,7 +272,7 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
  * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
  * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
  * < n. yg may be z itself (dip = di): each element of z is read only by the thread
- * that then writes it. TC (mb_m3_fast_y_k): the products on the tensor cores. */
+ * that then writes it. TC (mb_fast_m3_y_k): the products on the tensor cores. */
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
@@ -383,8 +383,8 @@ template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), mb_m3_y_k, mb_m3_fast_y_k, M3_Y_PARAMS, m3_y, desc, H, di, dip,
-               Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
+MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), m3_y_k, M3_Y_PARAMS, m3_y, desc, H, di, dip, Q, K, V, DT, SIG,
+               ADT, QKG, hck, D, zx, yg)
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,

@@ -82,19 +82,20 @@ MB_DEV void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint3
 }
 #endif
 
-/* A kernel in two schedules, its body a template on the tensor cores: `name` runs
- * body<false> (identical mode's) and, where MB_MMA is, `fast_name` body<true> (fast
- * mode's). The arguments may name sm, the launch's dynamic shared memory. */
-#define MB_KERNEL_PAIR(bounds, name, fast_name, params, body, ...)                    \
-    MB_KERNEL void bounds name(params)                                                 \
+/* A kernel in two schedules, its body a template on the tensor cores: mb_<stem> runs
+ * body<false> (identical mode's) and, where MB_MMA is, mb_fast_<stem> body<true>
+ * (fast mode's; the mb_fast_ names of fast.cu and modes.h). The arguments may name
+ * sm, the launch's dynamic shared memory. */
+#define MB_KERNEL_PAIR(bounds, stem, params, body, ...)                               \
+    MB_KERNEL void bounds mb_##stem(params)                                            \
     {                                                                                  \
         extern __shared__ __align__(16) float sm[];                                    \
         body<false>(__VA_ARGS__);                                                      \
     }                                                                                  \
-    MB_KERNEL_FAST(bounds, fast_name, (params), body, __VA_ARGS__)
+    MB_KERNEL_FAST(bounds, stem, (params), body, __VA_ARGS__)
 #if defined(MB_MMA)
-#define MB_KERNEL_FAST(bounds, fast_name, params, body, ...)                          \
-    MB_KERNEL void bounds fast_name params                                             \
+#define MB_KERNEL_FAST(bounds, stem, params, body, ...)                               \
+    MB_KERNEL void bounds mb_fast_##stem params                                        \
     {                                                                                  \
         extern __shared__ __align__(16) float sm[];                                    \
         body<true>(__VA_ARGS__);                                                       \
