@@ -1,8 +1,11 @@
 """Numpy-free helpers for building inputs and comparing bytes."""
 import array
+import math
 import random
 
 import mamba
+
+FAST_BOUND = 2e-3  # SPEC 3: fast mode's relative L2 error against float64
 
 
 def rand(shape, seed, scale=1.0):
@@ -22,6 +25,11 @@ def raw(a):
 
 def floats(a):
     return memoryview(a).cast("B").cast("f").tolist()
+
+
+def rel_l2(got, want):
+    """||got - want|| / ||want|| over two equal-length sequences of floats."""
+    return math.sqrt(sum((a - b) ** 2 for a, b in zip(got, want)) / sum(b * b for b in want))
 
 
 def time_slice(x, t0, t1):

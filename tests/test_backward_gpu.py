@@ -9,7 +9,7 @@ import math
 import pytest
 
 import mamba
-from _util import floats, rand, raw
+from _util import FAST_BOUND, floats, rand, raw, rel_l2
 from blocks import BLOCKS
 from test_gpu import be, dev, host_bytes, torch  # noqa: F401 (fixtures)
 
@@ -59,9 +59,6 @@ GRAD_BLOCKS = {
 
 CASES = [(n, B, L) for n, spec in GRAD_BLOCKS.items() for B in spec["batches"]
          for L in spec["lengths"]]
-
-
-FAST_BOUND = 2e-3  # SPEC 3: fast mode's relative L2 error
 
 
 def _inputs(shape, seed):
@@ -208,7 +205,7 @@ def test_backward_fast_mode(be, name):
         g, w = floats(got[k]), floats(want[k])
         if k == "x":
             g, w = [a - b for a, b in zip(g, d)], [a - b for a, b in zip(w, d)]
-        err = math.sqrt(sum((a - b) ** 2 for a, b in zip(g, w)) / sum(b * b for b in w))
+        err = rel_l2(g, w)
         assert err <= FAST_BOUND, f"{name} fast gradient {k}: relative L2 error {err:.2e}"
 
 
