@@ -11,7 +11,8 @@ on the machine slow our OpenMP threads more than torch's: compare under low load
 
 Rows: forward (B=1 L=2048 d_model=384), big (Mamba-2 only: B=4 L=4096 d_model=768),
 decode (one session step at d_model 1024 after a prompt), backward (forward + backward,
-B=1 L=2048 d_model=384; HF's Mamba-1 slow path takes many minutes there).
+B=1 L=2048 d_model=384: our vjp then its pullback against the baseline's forward then
+autograd's backward; HF's Mamba-1 slow path takes many minutes there).
 """
 import argparse
 import datetime
@@ -139,8 +140,11 @@ def backward_row(name, B, L, dm, reps, ref_warm=True):
         xt.grad = None
         ref(xt).backward(dyt)
 
-    t_us, t_ref = paired_ms(lambda: (ours.forward(x), ours.backward(x, dy)), step, reps,
-                            ref_warm)
+    def ours_step():  # the training API: the forward, then its pullback
+        y, pullback = ours.vjp(x)
+        pullback(dy)
+
+    t_us, t_ref = paired_ms(ours_step, step, reps, ref_warm)
     return row(f"{CLASSES[name].__name__} forward + backward B={B} L={L} d_model={dm}",
                t_us, t_ref, who + " + autograd")
 

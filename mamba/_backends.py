@@ -2,6 +2,7 @@
 backends are detected lazily and never make `import mamba` fail."""
 import os
 import re
+from types import SimpleNamespace
 
 from . import _core
 
@@ -76,10 +77,20 @@ class CpuBackend:
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,
                                 reports, lengths)
 
-    def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
+    def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False, kept=None):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
-        _core.m3_backward(w, d_model, x, dy, gx, tuple(gw))
+        _core.m3_backward(w, d_model, x, dy, gx, tuple(gw), kept)
+
+    def m3_vjp(self, w, d_model, x, y, fast=False):
+        """y = a zero-state prefill of x; returns an object whose backward(dy, gx, gw)
+        is m3_backward's from a copy of x and the kept per-token projections."""
+        _host_only([x], "x")
+        kept = _core.empty((_core.m3_kept_floats(d_model, x.shape[0] * x.shape[1]),))
+        _core.m3_vjp(w, d_model, x, y, kept)
+        xs = _core.copy(x)
+        return SimpleNamespace(
+            backward=lambda dy, gx, gw: self.m3_backward(w, d_model, xs, dy, gx, gw, kept=kept))
 
 
 def _host_only(arrays, what):

@@ -136,7 +136,10 @@ cdef extern from "mamba_ref.h" nogil:
         float *D
         float *out_proj
     int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
-                       const float *dy, const mb_m3_grads *grads)
+                       const float *kept, const float *dy, const mb_m3_grads *grads)
+    int64_t mb_m3_kept_floats(int64_t d_model, int64_t M)
+    int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                  float *kept)
     void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                  const float *W, int64_t ldw, float *Y, int64_t ldy)
     void mb_rmsnorm(int64_t M, int64_t n, const float *x, const float *w, float *out)
@@ -768,14 +771,19 @@ def copy_leading_rows(Array a, tuple counts):
     return c
 
 
-def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_tokens,
-               bint pending, Array y, tuple reports, lengths=None):
-    """Run mb_m3_forward; returns the new buffered_tokens."""
+cdef mb_m3_weights _m3_weights(tuple w, int64_t d_model) except *:
     cdef mb_m3_weights wt
     wt.d_model = d_model
     wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.dt_bias = _cp(w[2])
     wt.B_norm_w = _cp(w[3]); wt.C_norm_w = _cp(w[4]); wt.B_bias = _cp(w[5])
     wt.C_bias = _cp(w[6]); wt.D = _cp(w[7]); wt.out_proj = _cp(w[8])
+    return wt
+
+
+def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_tokens,
+               bint pending, Array y, tuple reports, lengths=None):
+    """Run mb_m3_forward; returns the new buffered_tokens."""
+    cdef mb_m3_weights wt = _m3_weights(w, d_model)
     cdef mb_m3_state st
     st.theta = _mp(p[0]); st.h = _mp(p[1]); st.buffer_qrot = _mp(p[2])
     st.buffer_krot = _mp(p[3]); st.buffer_v = _mp(p[4]); st.buffer_dt = _mp(p[5])
@@ -798,14 +806,29 @@ def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_toke
     return st.buffered_tokens
 
 
-def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw):
+def m3_kept_floats(int64_t d_model, int64_t M):
+    """Floats of the activations m3_vjp keeps for M tokens."""
+    return mb_m3_kept_floats(d_model, M)
+
+
+def m3_vjp(tuple w, int64_t d_model, Array x, Array y, Array kept):
+    """Run mb_m3_vjp: a zero-state prefill of x into y, its projections into kept."""
+    cdef mb_m3_weights wt = _m3_weights(w, d_model)
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef float *yp = _mp(y)
+    cdef float *kp = _mp(kept)
+    with nogil:
+        rc = mb_m3_vjp(&wt, B, L, xp, yp, kp)
+    _check_rc(rc)
+
+
+def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw,
+                Array kept=None):
     """Run mb_m3_backward: gradients of x into gx and of each weight into gw (weight
-    order)."""
-    cdef mb_m3_weights wt
-    wt.d_model = d_model
-    wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.dt_bias = _cp(w[2])
-    wt.B_norm_w = _cp(w[3]); wt.C_norm_w = _cp(w[4]); wt.B_bias = _cp(w[5])
-    wt.C_bias = _cp(w[6]); wt.D = _cp(w[7]); wt.out_proj = _cp(w[8])
+    order); kept, m3_vjp's for these w and x, spares recomputing the projections."""
+    cdef mb_m3_weights wt = _m3_weights(w, d_model)
     cdef mb_m3_grads g
     g.x = _mp(gx)
     g.norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.dt_bias = _mp(gw[2])
@@ -814,9 +837,10 @@ def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw)
     cdef int64_t B = x.shape[0], L = x.shape[1]
     cdef int rc
     cdef const float *xp = _cp(x)
+    cdef const float *kp = NULL if kept is None else _cp(kept)
     cdef const float *dp = _cp(dy)
     with nogil:
-        rc = mb_m3_backward(&wt, B, L, xp, dp, &g)
+        rc = mb_m3_backward(&wt, B, L, xp, kp, dp, &g)
     _check_rc(rc)
 
 

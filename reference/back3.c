@@ -420,33 +420,35 @@ static void head_bwd(const m3_bctx *g, int64_t b, int64_t h, float *s, float *ro
 }
 
 int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
-                              const float *dy, const mb_m3_grads *gr)
+                              const float *kept, const float *dy, const mb_m3_grads *gr)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV, M = B * L;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     const int64_t oB = 2 * di, oC = oB + NQK, oDT = oC + NQK, oANG = oDT + 3 * H;
     int nth = mb_max_threads();
     const int64_t per = B_TOTAL + row_floats(L);
-    /* xn, dxn (M dm), zx, dzx (M dip), Bn, Cn, dBn, dCn, Bxr, Cxr (M NQK), dt, sig, adt,
-     * dQKG (M H), ta (M NA), yg, ypre, dyg (M di), dQ, dK (H M NQK), dTA (H M NA), zin,
-     * gz (M H 2, M H 3) */
-    const int64_t total = M * (2 * dm + 2 * dip + 6 * NQK + 4 * H + NA + 3 * di
-                               + 2 * H * NQK + H * NA + 5 * H);
+    /* dxn, xr (M dm), dzx (M dip), dBn, dCn, Bxr, Cxr (M NQK), dQKG (M H), yg, ypre,
+     * dyg (M di), dQ, dK (H M NQK), dTA (H M NA), zin, gz (M H 2, M H 3), and the
+     * projections unless kept */
+    const int64_t total = M * (2 * dm + dip + 4 * NQK + H + 3 * di + 2 * H * NQK + H * NA
+                               + 5 * H) + (kept ? 0 : m3_proj_floats(dm, M));
     float *buf = mb_scratch_take((size_t)(total + nth * per));
     if (!buf)
         return MB_ENOMEM;
     float *scr = buf + total;
     for (int i = 0; i < nth; i++) /* finite scratch rows, as the forward's */
         memset(scr + i * per, 0, B_TOTAL * sizeof(float));
-    float *xn = buf, *dxn = xn + M * dm, *zx = dxn + M * dm, *dzx = zx + M * dip;
-    float *Bn = dzx + M * dip, *Cn = Bn + M * NQK, *dBn = Cn + M * NQK, *dCn = dBn + M * NQK;
-    float *Bxr = dCn + M * NQK, *Cxr = Bxr + M * NQK, *dt = Cxr + M * NQK, *sig = dt + M * H;
-    float *adt = sig + M * H, *dQKG = adt + M * H, *ta = dQKG + M * H, *yg = ta + M * NA;
-    float *ypre = yg + M * di, *dyg = ypre + M * di, *dQ = dyg + M * di;
-    float *dK = dQ + M * H * NQK, *dTA = dK + M * H * NQK, *zin = dTA + M * H * NA;
-    float *gz = zin + 2 * M * H;
+    float *dxn = buf, *xr = dxn + M * dm, *dzx = xr + M * dm, *dBn = dzx + M * dip;
+    float *dCn = dBn + M * NQK, *Bxr = dCn + M * NQK, *Cxr = Bxr + M * NQK;
+    float *dQKG = Cxr + M * NQK, *yg = dQKG + M * H, *ypre = yg + M * di, *dyg = ypre + M * di;
+    float *dQ = dyg + M * di, *dK = dQ + M * H * NQK, *dTA = dK + M * H * NQK;
+    float *zin = dTA + M * H * NA, *gz = zin + 2 * M * H;
+    m3_proj p;
+    m3_proj_carve(&p, kept ? (float *)kept : gz + 3 * M * H, dm, M);
+    if (!kept)
+        MB_ISA_FN(mb_m3_project)(w, M, x, &p);
+    const float *xn = p.xn, *zx = p.zx;
 
-    MB_ISA_FN(mb_m3_project)(w, M, x, xn, zx, Bn, Cn, dt, sig, adt, ta);
     /* dyg = dy . out_proj (dot v1 over dm) */
     if (!MB_ISA_FN(mb_gemm_kn)(M, di, dm, dy, dm, 1, w->out_proj, di, dyg, di)) {
         mb_scratch_give(buf);
@@ -461,7 +463,8 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
             zin[h * 2 * M + m] = zx[m * dip + oA + h];
             zin[h * 2 * M + M + m] = zx[m * dip + oDT + h];
         }
-    m3_bctx g = {{w, NULL, NULL, H, di, dip, 0, 0, zx, Bn, Cn, dt, sig, adt, ta, yg, ypre},
+    m3_bctx g = {{w, NULL, NULL, H, di, dip, 0, 0, zx, p.Bn, p.Cn, p.dt, p.sig, p.adt, p.ta, yg,
+                  ypre},
                  L, M, dyg, dzx, dQ, dK, dTA, dQKG, zin, gz};
     #pragma omp parallel if (B * H > 1)
     {
@@ -525,9 +528,9 @@ int MB_ISA_FN(mb_m3_backward)(const mb_m3_weights *w, int64_t B, int64_t L, cons
         mb_scratch_give(buf);
         return rc;
     }
-    /* the block norm (its xr reuses xn); dx = dy + the norm's dx */
-    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xn, dm, dy, dm);
-    MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xn, dm, 0, gr->norm_w, 1);
+    /* the block norm; dx = dy + the norm's dx */
+    MB_ISA_FN(mb_rmsnorm_bwd_rows)(M, dm, x, dm, w->norm_w, dxn, dm, gr->x, dm, xr, dm, dy, dm);
+    MB_ISA_FN(mb_colfold)(B, L, dm, dxn, dm, xr, dm, 0, gr->norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dBn, NQK, Bxr, NQK, 0, gr->B_norm_w, 1);
     MB_ISA_FN(mb_colfold)(B, L, NQK, dCn, NQK, Cxr, NQK, 0, gr->C_norm_w, 1);
     for (int64_t h = 0; h < H; h++) {

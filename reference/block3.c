@@ -339,18 +339,18 @@ static void run_end(const m3_ctx *c, const m3_run *r, float *s)
         memcpy(rep->theta_last + bh * NA, r->theta, NA * sizeof(float));
 }
 
-void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs, float *xn,
-                              float *zx, float *Bn, float *Cn, float *dt, float *sig,
-                              float *adt, float *ta)
+void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs,
+                              const m3_proj *p)
 {
+    float *xn = p->xn, *zx = p->zx, *dt = p->dt, *sig = p->sig, *adt = p->adt, *ta = p->ta;
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
     const int64_t oB = 2 * di, oC = oB + NQK, oDT = oC + NQK, oA = oDT + H, oTR = oA + H;
     const int64_t oANG = oTR + H;
     MB_ISA_FN(mb_rmsnorm_rows)(M, dm, xs, dm, w->norm_w, xn, dm);
     MB_ISA_FN(mb_gemm)(M, dip, dm, xn, dm, w->in_proj, dm, zx, dip);
-    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oB, dip, w->B_norm_w, Bn, NQK);
-    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oC, dip, w->C_norm_w, Cn, NQK);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oB, dip, w->B_norm_w, p->Bn, NQK);
+    MB_ISA_FN(mb_rmsnorm_rows)(M, NQK, zx + oC, dip, w->C_norm_w, p->Cn, NQK);
 
     #pragma omp parallel if (M * H > (1 << 12))
     {
@@ -374,8 +374,10 @@ void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs
     }
 }
 
-int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                             const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep)
+/* mb_m3_forward; keep (lengths NULL), when given, receives the projections. */
+static int forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                   const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep,
+                   float *keep)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / PV;
     const int64_t dip = 2 * di + 2 * NQK + 3 * H + NA;
@@ -388,39 +390,41 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
         return MB_ENOMEM;
     }
     const int64_t M = mb_row_offsets(B, L, lengths, off);
-    /* per-thread scratch, h^T of every (row, head), xn/out (M dm), zx (M dip), Bn, Cn
-     * (M NQK), dt, sig, adt (M H), ta (M NA), yg (M di), and the packed input and
-     * output when the batch is ragged */
+    /* per-thread scratch, h^T of every (row, head), yg (M di), the projections (or,
+     * when they are kept, out_proj's output (M dm), which otherwise goes over xn), and
+     * the packed input and output when the batch is ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *scr = mb_scratch_take((size_t)(nth * S_TOTAL + B * H * NQK * PV
-                                          + M * (dm + dip + 2 * NQK + 3 * H + NA + di) + ragged));
+    float *scr = mb_scratch_take((size_t)(nth * S_TOTAL + B * H * NQK * PV + M * di
+                                          + (keep ? M * dm : m3_proj_floats(dm, M)) + ragged));
     if (!scr) {
         free(off);
         free(runs);
         return MB_ENOMEM;
     }
     memset(scr, 0, (size_t)nth * S_TOTAL * sizeof(float)); /* finite scratch rows */
-    float *hTs = scr + (int64_t)nth * S_TOTAL, *xn = hTs + B * H * NQK * PV;
-    float *zx = xn + M * dm, *Bn = zx + M * dip, *Cn = Bn + M * NQK;
-    float *dt = Cn + M * NQK, *sig = dt + M * H, *adt = sig + M * H, *ta = adt + M * H;
-    float *yg = ta + M * NA;
+    float *hTs = scr + (int64_t)nth * S_TOTAL, *yg = hTs + B * H * NQK * PV, *tail = yg + M * di;
+    m3_proj p;
+    if (keep)
+        m3_proj_carve(&p, keep, dm, M);
+    else
+        tail = m3_proj_carve(&p, tail, dm, M);
+    float *ob = keep ? tail : p.xn;
     const float *xs = x;
     float *ys = y;
     if (lengths) {
-        float *xp = yg + M * di;
-        mb_pack_rows(B, L, dm, off, x, xp);
-        xs = xp;
-        ys = xp + M * dm;
+        mb_pack_rows(B, L, dm, off, x, tail);
+        xs = tail;
+        ys = tail + M * dm;
     }
 
-    MB_ISA_FN(mb_m3_project)(w, M, xs, xn, zx, Bn, Cn, dt, sig, adt, ta);
+    MB_ISA_FN(mb_m3_project)(w, M, xs, &p);
 
     /* Tasks are segments: each (row, head) runs its segments in order (a dependence),
      * and they are issued chunk by chunk, so the threads work on neighbouring tokens
      * of every head (their rows stay in cache) and a thread held up by another process
      * delays one segment, not a whole head. */
     const m3_ctx c = {w, st, rep, H, di, dip, st->buffered_tokens, st->pending,
-                      zx, Bn, Cn, dt, sig, adt, ta, yg, NULL};
+                      p.zx, p.Bn, p.Cn, p.dt, p.sig, p.adt, p.ta, yg, NULL};
     int64_t kmax = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t k = segments(c.nb0, off[b + 1] - off[b]);
@@ -449,7 +453,7 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
         mb_fpenv_exit(env);
     }
 
-    MB_ISA_FN(mb_out_residual)(M, dm, di, yg, w->out_proj, xs, xn, ys);
+    MB_ISA_FN(mb_out_residual)(M, dm, di, yg, w->out_proj, xs, ob, ys);
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
     else
@@ -459,4 +463,33 @@ int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const
     free(runs);
     free(off);
     return MB_OK;
+}
+
+int MB_ISA_FN(mb_m3_forward)(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, mb_m3_state *st, float *y, const mb_m3_reports *rep)
+{
+    return forward(w, B, L, lengths, x, st, y, rep, NULL);
+}
+
+int MB_ISA_FN(mb_m3_vjp)(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                         float *kept)
+{
+    const int64_t H = 2 * w->d_model / PV;
+    /* a zero state: theta, h, the buffers, pending k and v */
+    const int64_t per = NA + PV * NQK + QCAP * (2 * NQK + PV + 3) + NQK + PV;
+    float *z = calloc((size_t)(B * H * per), sizeof(float));
+    if (!z)
+        return MB_ENOMEM;
+    mb_m3_state st = {z, z + B * H * NA, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
+    st.buffer_qrot = st.h + B * H * PV * NQK;
+    st.buffer_krot = st.buffer_qrot + B * QCAP * H * NQK;
+    st.buffer_v = st.buffer_krot + B * QCAP * H * NQK;
+    st.buffer_dt = st.buffer_v + B * QCAP * H * PV;
+    st.buffer_sig = st.buffer_dt + B * QCAP * H;
+    st.buffer_adt = st.buffer_sig + B * QCAP * H;
+    st.pending_k = st.buffer_adt + B * QCAP * H;
+    st.pending_v = st.pending_k + B * H * NQK;
+    const int rc = forward(w, B, L, NULL, x, &st, y, NULL, kept);
+    free(z);
+    return rc;
 }

@@ -100,11 +100,36 @@ void MB_ISA_FN(mb_m3_mm)(int64_t M, int64_t N, int64_t K0, int64_t dK,
                          const float *A, int64_t sam, int64_t sak,
                          const float *B, int64_t ldb, float *C, int64_t ldc);
 
-/* The per-token inputs of M packed tokens xs (M, dm): xn (M, dm) the normed input,
- * zx (M, dip) in_proj's output, Bn, Cn (M, NQK), dt, sig, adt (M, H), ta (M, NA). */
-void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs, float *xn,
-                              float *zx, float *Bn, float *Cn, float *dt, float *sig,
-                              float *adt, float *ta);
+/* The per-token inputs of M packed tokens (mb_m3_project's outputs): xn (M, dm) the
+ * normed input, zx (M, dip) in_proj's output, Bn, Cn (M, NQK), dt, sig, adt (M, H),
+ * ta (M, NA). A vjp's forward leaves them for its backward. */
+typedef struct {
+    float *xn, *zx, *Bn, *Cn, *dt, *sig, *adt, *ta;
+} m3_proj;
+
+static inline int64_t m3_proj_floats(int64_t dm, int64_t M)
+{
+    const int64_t H = 2 * dm / PV, dip = 4 * dm + 2 * NQK + 3 * H + NA;
+    return M * (dm + dip + 2 * NQK + 3 * H + NA);
+}
+
+/* The m3_proj of M tokens laid out from p; returns the float past it. */
+static inline float *m3_proj_carve(m3_proj *q, float *p, int64_t dm, int64_t M)
+{
+    const int64_t H = 2 * dm / PV, dip = 4 * dm + 2 * NQK + 3 * H + NA;
+    q->xn = p; p += M * dm;
+    q->zx = p; p += M * dip;
+    q->Bn = p; p += M * NQK;
+    q->Cn = p; p += M * NQK;
+    q->dt = p; p += M * H;
+    q->sig = p; p += M * H;
+    q->adt = p; p += M * H;
+    q->ta = p; p += M * NA;
+    return p;
+}
+
+void MB_ISA_FN(mb_m3_project)(const mb_m3_weights *w, int64_t M, const float *xs,
+                              const m3_proj *p);
 
 /* out = h folded over buffer rows [0, n), the last row's beta given (hT, out (NQK, PV),
  * may alias). */

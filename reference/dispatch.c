@@ -2,6 +2,7 @@
  * with FTZ/DAZ cleared (fpenv.h). */
 #include "mamba_ref.h"
 #include "fpenv.h"
+#include "block3.h"
 
 #define DECLARE_ISA(ret, name, params) \
     ret name##_base params; ret name##_v3 params; ret name##_v4 params;
@@ -16,8 +17,10 @@ DECLARE_ISA(int, mb_m2_backward, (const mb_m2_weights *, int64_t, int64_t, const
                                   const float *, const mb_m2_grads *))
 DECLARE_ISA(int, mb_m3_forward, (const mb_m3_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, mb_m3_state *, float *, const mb_m3_reports *))
+DECLARE_ISA(int, mb_m3_vjp, (const mb_m3_weights *, int64_t, int64_t, const float *, float *,
+                             float *))
 DECLARE_ISA(int, mb_m3_backward, (const mb_m3_weights *, int64_t, int64_t, const float *,
-                                  const float *, const mb_m3_grads *))
+                                  const float *, const float *, const mb_m3_grads *))
 DECLARE_ISA(void, mb_gemm, (int64_t, int64_t, int64_t, const float *, int64_t,
                             const float *, int64_t, float *, int64_t))
 DECLARE_ISA(void, mb_rmsnorm_rows, (int64_t, int64_t, const float *, int64_t, const float *,
@@ -110,11 +113,24 @@ int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *l
     return rc;
 }
 
-int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m3_grads *grads)
+int64_t mb_m3_kept_floats(int64_t d_model, int64_t M)
+{
+    return m3_proj_floats(d_model, M);
+}
+
+int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept)
 {
     int rc;
-    GUARDED(rc = ISA(mb_m3_backward)(w, B, L, x, dy, grads))
+    GUARDED(rc = ISA(mb_m3_vjp)(w, B, L, x, y, kept))
+    return rc;
+}
+
+int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *kept, const float *dy, const mb_m3_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m3_backward)(w, B, L, x, kept, dy, grads))
     return rc;
 }
 

@@ -173,9 +173,17 @@ typedef struct {
 
 /* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
  * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
- * docs/numerics.md "Backward (Mamba-3)"). */
+ * docs/numerics.md "Backward (Mamba-3)"). kept: NULL, or what mb_m3_vjp left for
+ * these w and x (the same bits, without recomputing the projections). */
 int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m3_grads *grads);
+                   const float *kept, const float *dy, const mb_m3_grads *grads);
+
+/* A zero-state prefill of x (B, L, dm) into y (mb_m3_forward's bits) that also leaves
+ * in kept, mb_m3_kept_floats(d_model, B * L) floats, the per-token projections
+ * mb_m3_backward reads. */
+int64_t mb_m3_kept_floats(int64_t d_model, int64_t M);
+int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept);
 
 /* ---- shared pieces, exposed for tests and for the other blocks */
 void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
