@@ -40,10 +40,14 @@ class CpuBackend:
         _host_only(pieces, "a state piece")
         _core.m1_forward(w, d_model, x, pieces[0], pieces[1], y, lengths)
 
-    def m1_backward(self, w, d_model, x, dy, gx, gw, fast=False):
+    def m1_backward(self, w, d_model, x, dy, gx, gw, fast=False, kept=None):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
-        _core.m1_backward(w, d_model, x, dy, gx, tuple(gw))
+        _core.m1_backward(w, d_model, x, dy, gx, tuple(gw), kept)
+
+    def m1_vjp(self, w, d_model, x, y, fast=False):
+        return self._vjp("m1", w, d_model, x, y, (),
+                         lambda *a, kept: self.m1_backward(w, d_model, *a, kept=kept))
 
     def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                    fast=False):
@@ -65,10 +69,14 @@ class CpuBackend:
         _core.m2_h_last(d_model, lo, hi, dt_bias, A_log, h, bx, bd, counts, out)
         return out
 
-    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw, fast=False):
+    def m2_backward(self, w, d_model, dt_limit, x, dy, gx, gw, fast=False, kept=None):
         _host_only([x], "x")
         _host_only([dy], "grad_output")
-        _core.m2_backward(w, d_model, dt_limit[0], dt_limit[1], x, dy, gx, tuple(gw))
+        _core.m2_backward(w, d_model, dt_limit[0], dt_limit[1], x, dy, gx, tuple(gw), kept)
+
+    def m2_vjp(self, w, d_model, dt_limit, x, y, fast=False):
+        return self._vjp("m2", w, d_model, x, y, dt_limit,
+                         lambda *a, kept: self.m2_backward(w, d_model, dt_limit, *a, kept=kept))
 
     def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                    fast=False):
@@ -83,14 +91,18 @@ class CpuBackend:
         _core.m3_backward(w, d_model, x, dy, gx, tuple(gw), kept)
 
     def m3_vjp(self, w, d_model, x, y, fast=False):
-        """y = a zero-state prefill of x; returns an object whose backward(dy, gx, gw)
-        is m3_backward's from a copy of x and the kept per-token projections."""
+        return self._vjp("m3", w, d_model, x, y, (),
+                         lambda *a, kept: self.m3_backward(w, d_model, *a, kept=kept))
+
+    @staticmethod
+    def _vjp(kind, w, d_model, x, y, dt_limit, backward):
+        """y = a zero-state prefill of x, its activations kept; returns an object whose
+        backward(dy, gx, gw) is backward(xs, dy, gx, gw, kept=kept), xs a copy of x."""
         _host_only([x], "x")
-        kept = _core.empty((_core.m3_kept_floats(d_model, x.shape[0] * x.shape[1]),))
-        _core.m3_vjp(w, d_model, x, y, kept)
+        kept = _core.empty((_core.kept_floats(kind, d_model, x.shape[0], x.shape[1]),))
+        _core.vjp(kind, w, d_model, x, y, kept, *dt_limit)
         xs = _core.copy(x)
-        return SimpleNamespace(
-            backward=lambda dy, gx, gw: self.m3_backward(w, d_model, xs, dy, gx, gw, kept=kept))
+        return SimpleNamespace(backward=lambda dy, gx, gw: backward(xs, dy, gx, gw, kept=kept))
 
 
 def _host_only(arrays, what):

@@ -56,7 +56,10 @@ cdef extern from "mamba_ref.h" nogil:
         float *D
         float *out_proj
     int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
-                       const float *dy, const mb_m1_grads *grads)
+                       const float *kept, const float *dy, const mb_m1_grads *grads)
+    int64_t mb_m1_kept_floats(int64_t d_model, int64_t B, int64_t L)
+    int mb_m1_vjp(const mb_m1_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                  float *kept)
     ctypedef struct mb_m2_weights:
         int64_t d_model
         const float *block_norm_w
@@ -91,7 +94,10 @@ cdef extern from "mamba_ref.h" nogil:
         float *norm_w
         float *out_proj
     int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                       const float *dy, const mb_m2_grads *grads)
+                       const float *kept, const float *dy, const mb_m2_grads *grads)
+    int64_t mb_m2_kept_floats(int64_t d_model, int64_t B, int64_t L)
+    int mb_m2_vjp(const mb_m2_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                  float *kept)
     ctypedef struct mb_m3_weights:
         int64_t d_model
         const float *norm_w
@@ -137,7 +143,7 @@ cdef extern from "mamba_ref.h" nogil:
         float *out_proj
     int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
                        const float *kept, const float *dy, const mb_m3_grads *grads)
-    int64_t mb_m3_kept_floats(int64_t d_model, int64_t M)
+    int64_t mb_m3_kept_floats(int64_t d_model, int64_t B, int64_t L)
     int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
                   float *kept)
     void mb_gemm(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
@@ -623,13 +629,18 @@ cdef void _check_rc(int rc) except *:
         raise RuntimeError(f"mamba: C reference error {rc}")
 
 
-def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Array y,
-               lengths=None):
+cdef mb_m1_weights _m1_weights(tuple w, int64_t d_model) except *:
     cdef mb_m1_weights wt
     wt.d_model = d_model
     wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
     wt.conv_b = _cp(w[3]); wt.x_proj = _cp(w[4]); wt.dt_proj_w = _cp(w[5])
     wt.dt_proj_b = _cp(w[6]); wt.A_log = _cp(w[7]); wt.D = _cp(w[8]); wt.out_proj = _cp(w[9])
+    return wt
+
+
+def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Array y,
+               lengths=None):
+    cdef mb_m1_weights wt = _m1_weights(w, d_model)
     cdef mb_m1_state st
     st.conv_window = _mp(conv_window)
     st.h = _mp(h)
@@ -644,14 +655,11 @@ def m1_forward(tuple w, int64_t d_model, Array x, Array conv_window, Array h, Ar
     _check_rc(rc)
 
 
-def m1_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw):
+def m1_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw,
+                Array kept=None):
     """Run mb_m1_backward: gradients of x into gx and of each weight into gw (weight
-    order)."""
-    cdef mb_m1_weights wt
-    wt.d_model = d_model
-    wt.norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
-    wt.conv_b = _cp(w[3]); wt.x_proj = _cp(w[4]); wt.dt_proj_w = _cp(w[5])
-    wt.dt_proj_b = _cp(w[6]); wt.A_log = _cp(w[7]); wt.D = _cp(w[8]); wt.out_proj = _cp(w[9])
+    order); kept, m1_vjp's for these w and x, spares recomputing the activations."""
+    cdef mb_m1_weights wt = _m1_weights(w, d_model)
     cdef mb_m1_grads g
     g.x = _mp(gx)
     g.norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.conv_w = _mp(gw[2])
@@ -660,9 +668,10 @@ def m1_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw)
     cdef int64_t B = x.shape[0], L = x.shape[1]
     cdef int rc
     cdef const float *xp = _cp(x)
+    cdef const float *kp = NULL if kept is None else _cp(kept)
     cdef const float *dp = _cp(dy)
     with nogil:
-        rc = mb_m1_backward(&wt, B, L, xp, dp, &g)
+        rc = mb_m1_backward(&wt, B, L, xp, kp, dp, &g)
     _check_rc(rc)
 
 
@@ -675,10 +684,7 @@ cdef int64_t *_counts(object counts, Py_ssize_t B) except? NULL:
     return c
 
 
-def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tuple p,
-               int64_t buffered_tokens, Array y, lengths=None):
-    """Run mb_m2_forward (every row starts from buffered_tokens); returns each row's new
-    buffered_tokens as a tuple."""
+cdef mb_m2_weights _m2_weights(tuple w, int64_t d_model, float dt_lo, float dt_hi) except *:
     cdef mb_m2_weights wt
     wt.d_model = d_model
     wt.block_norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
@@ -686,6 +692,14 @@ def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tupl
     wt.norm_w = _cp(w[7]); wt.out_proj = _cp(w[8])
     wt.dt_lo = dt_lo
     wt.dt_hi = dt_hi
+    return wt
+
+
+def m2_forward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, tuple p,
+               int64_t buffered_tokens, Array y, lengths=None):
+    """Run mb_m2_forward (every row starts from buffered_tokens); returns each row's new
+    buffered_tokens as a tuple."""
+    cdef mb_m2_weights wt = _m2_weights(w, d_model, dt_lo, dt_hi)
     cdef int64_t B = x.shape[0], L = x.shape[1]
     cdef int64_t *lp = _lengths(lengths, B)
     cdef int64_t *counts
@@ -734,16 +748,10 @@ def m2_h_last(int64_t d_model, float dt_lo, float dt_hi, Array dt_bias, Array A_
 
 
 def m2_backward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, Array dy,
-                Array gx, tuple gw):
+                Array gx, tuple gw, Array kept=None):
     """Run mb_m2_backward: gradients of x into gx and of each weight into gw (weight
-    order)."""
-    cdef mb_m2_weights wt
-    wt.d_model = d_model
-    wt.block_norm_w = _cp(w[0]); wt.in_proj = _cp(w[1]); wt.conv_w = _cp(w[2])
-    wt.conv_b = _cp(w[3]); wt.dt_bias = _cp(w[4]); wt.A_log = _cp(w[5]); wt.D = _cp(w[6])
-    wt.norm_w = _cp(w[7]); wt.out_proj = _cp(w[8])
-    wt.dt_lo = dt_lo
-    wt.dt_hi = dt_hi
+    order); kept, m2_vjp's for these w and x, spares running the forward again."""
+    cdef mb_m2_weights wt = _m2_weights(w, d_model, dt_lo, dt_hi)
     cdef mb_m2_grads g
     g.x = _mp(gx)
     g.block_norm_w = _mp(gw[0]); g.in_proj = _mp(gw[1]); g.conv_w = _mp(gw[2])
@@ -752,9 +760,10 @@ def m2_backward(tuple w, int64_t d_model, float dt_lo, float dt_hi, Array x, Arr
     cdef int64_t B = x.shape[0], L = x.shape[1]
     cdef int rc
     cdef const float *xp = _cp(x)
+    cdef const float *kp = NULL if kept is None else _cp(kept)
     cdef const float *dp = _cp(dy)
     with nogil:
-        rc = mb_m2_backward(&wt, B, L, xp, dp, &g)
+        rc = mb_m2_backward(&wt, B, L, xp, kp, dp, &g)
     _check_rc(rc)
 
 
@@ -806,24 +815,6 @@ def m3_forward(tuple w, int64_t d_model, Array x, tuple p, int64_t buffered_toke
     return st.buffered_tokens
 
 
-def m3_kept_floats(int64_t d_model, int64_t M):
-    """Floats of the activations m3_vjp keeps for M tokens."""
-    return mb_m3_kept_floats(d_model, M)
-
-
-def m3_vjp(tuple w, int64_t d_model, Array x, Array y, Array kept):
-    """Run mb_m3_vjp: a zero-state prefill of x into y, its projections into kept."""
-    cdef mb_m3_weights wt = _m3_weights(w, d_model)
-    cdef int64_t B = x.shape[0], L = x.shape[1]
-    cdef int rc
-    cdef const float *xp = _cp(x)
-    cdef float *yp = _mp(y)
-    cdef float *kp = _mp(kept)
-    with nogil:
-        rc = mb_m3_vjp(&wt, B, L, xp, yp, kp)
-    _check_rc(rc)
-
-
 def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw,
                 Array kept=None):
     """Run mb_m3_backward: gradients of x into gx and of each weight into gw (weight
@@ -841,6 +832,45 @@ def m3_backward(tuple w, int64_t d_model, Array x, Array dy, Array gx, tuple gw,
     cdef const float *dp = _cp(dy)
     with nogil:
         rc = mb_m3_backward(&wt, B, L, xp, kp, dp, &g)
+    _check_rc(rc)
+
+
+def kept_floats(str kind, int64_t d_model, int64_t B, int64_t L):
+    """Floats of the activations a vjp of block kind ('m1', 'm2', 'm3') keeps for B
+    rows of L tokens."""
+    if kind == "m1":
+        return mb_m1_kept_floats(d_model, B, L)
+    if kind == "m2":
+        return mb_m2_kept_floats(d_model, B, L)
+    return mb_m3_kept_floats(d_model, B, L)
+
+
+def vjp(str kind, tuple w, int64_t d_model, Array x, Array y, Array kept,
+        float dt_lo=0.0, float dt_hi=0.0):
+    """Run mb_<kind>_vjp: a zero-state prefill of x into y, its activations into kept
+    (dt_lo, dt_hi: Mamba-2's dt_limit)."""
+    cdef mb_m1_weights w1
+    cdef mb_m2_weights w2
+    cdef mb_m3_weights w3
+    cdef int which = 1 if kind == "m1" else 2 if kind == "m2" else 3
+    if which == 1:
+        w1 = _m1_weights(w, d_model)
+    elif which == 2:
+        w2 = _m2_weights(w, d_model, dt_lo, dt_hi)
+    else:
+        w3 = _m3_weights(w, d_model)
+    cdef int64_t B = x.shape[0], L = x.shape[1]
+    cdef int rc
+    cdef const float *xp = _cp(x)
+    cdef float *yp = _mp(y)
+    cdef float *kp = _mp(kept)
+    with nogil:
+        if which == 1:
+            rc = mb_m1_vjp(&w1, B, L, xp, yp, kp)
+        elif which == 2:
+            rc = mb_m2_vjp(&w2, B, L, xp, yp, kp)
+        else:
+            rc = mb_m3_vjp(&w3, B, L, xp, yp, kp)
     _check_rc(rc)
 
 

@@ -205,10 +205,10 @@ class _Block:
         pullback keeps the forward's activations and does not run the forward again:
         it holds that memory (about 1.8, 2.1 and 2.6 GiB for Mamba-1, -2 and -3 at
         B 8, L 4096, d_model 1024) until it is dropped or closed. On the CPU it holds
-        a copy of x and recomputes, as backward does, except that Mamba-3 also keeps
-        its per-token projections (about 21 d_model + 2200 bytes a token) and skips
-        in_proj's forward. Like backward, it leaves the block's reports and any state
-        alone. Edit weights in
+        a copy of x and, in bytes a token, Mamba-1's activations before the scan
+        (about 52 d_model), Mamba-2's whole forward (56 d_model + 4100) or Mamba-3's
+        projections (21 d_model + 2300), and recomputes the rest. Like backward, it
+        leaves the block's reports and any state alone. Edit weights in
         place (CPU) only after the last pullback call; on a GPU, refresh_weights does
         not affect an existing pullback.
         """

@@ -247,15 +247,15 @@ static void scan_bwd(const sctx *c, tile *tscr)
 }
 
 int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
-                              const float *dy, const mb_m1_grads *gr)
+                              const float *kept, const float *dy, const mb_m1_grads *gr)
 {
     const int64_t dm = w->d_model, di = 2 * dm, R = (dm + 15) / 16, XR = R + 2 * NS, M = B * L;
     const int64_t nch = (L + TC - 1) / TC, nblk = (di + CB - 1) / CB;
     const int64_t P = (M + LEAF - 1) / LEAF;
     const int nth = mb_max_threads();
     const int64_t sz[] = {
-        M * dm, 2 * M * di, M * di, M * di, M * XR, M * di, M * di, /* the front's activations */
-        NS * di, B * di * 4,                                        /* AT, window */
+        kept ? 0 : m1_acts_floats(dm, M), M * dm,                   /* the front's; xr */
+        NS * di, kept ? 0 : B * di * 4,                             /* AT, window */
         M * di, M * di, M * di, M * di, M * di, M * XR, 2 * M * di, /* dyg dys yg ds dus dxdbl dxz */
         B * nch * 2 * NS * di, 2 * TC * di * NS,                    /* carries; hc, dhc */
         (P + 1) * nblk * NS * CB, (int64_t)nth * 2 * TC * NS * CB,  /* hcar, gA, leaves; scratch */
@@ -275,14 +275,19 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
     p[0] = buf;
     for (int i = 1; i < nb; i++)
         p[i] = p[i - 1] + sz[i - 1];
-    float *xn = p[0], *xz = p[1], *pre = p[2], *u = p[3], *xdbl = p[4], *spre = p[5];
-    float *delta = p[6], *AT = p[7], *win = p[8], *dyg = p[9], *dys = p[10];
-    float *yg = p[11], *ds = p[12], *dus = p[13], *dxdbl = p[14], *dxz = p[15];
+    m1_acts a;
+    m1_acts_carve(&a, kept ? (float *)kept : p[0], dm, M);
+    const float *xn = a.xn, *xz = a.xz, *pre = a.pre, *u = a.u, *xdbl = a.xdbl;
+    const float *spre = a.spre, *delta = a.delta;
+    float *xr = p[1], *AT = p[2], *win = p[3], *dyg = p[4], *dys = p[5];
+    float *yg = p[6], *ds = p[7], *dus = p[8], *dxdbl = p[9], *dxz = p[10];
     int rc = MB_OK;
 
     mb_row_offsets(B, L, NULL, off);
-    memset(win, 0, (size_t)sz[8] * sizeof(float));
-    MB_ISA_FN(mb_m1_front)(w, B, off, x, xn, xz, win, pre, u, xdbl, spre, delta);
+    if (!kept) {
+        memset(win, 0, (size_t)sz[3] * sizeof(float));
+        MB_ISA_FN(mb_m1_front)(w, B, off, x, a.xn, a.xz, win, a.pre, a.u, a.xdbl, a.spre, a.delta);
+    }
     for (int64_t ch = 0; ch < di; ch++)
         for (int n = 0; n < NS; n++)
             AT[n * di + ch] = -mb_exp(w->A_log[ch * NS + n]);
@@ -301,12 +306,12 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
         mb_fpenv_exit(env);
     }
 
-    float *gA = p[18] + nblk * NS * CB;
+    float *gA = p[13] + nblk * NS * CB;
     memset(gA, 0, (size_t)(nblk * NS * CB) * sizeof(float));
     const sctx c = {B, L, di, R, XR, nch, nblk, delta, u, xz, xdbl, spre, AT, w->D, dyg, dys,
-                    p[16], p[18], gA, gA + nblk * NS * CB, p[17], p[17] + TC * di * NS,
+                    p[11], p[13], gA, gA + nblk * NS * CB, p[12], p[12] + TC * di * NS,
                     yg, dxz + di, ds, dus, dxdbl};
-    scan_bwd(&c, (tile *)p[19]);
+    scan_bwd(&c, (tile *)p[14]);
 
     /* A_log: the fold of each (c, n) chain's leaves, times A = -exp(A_log) */
     for (int64_t blk = 0; blk < nblk; blk++)
@@ -324,7 +329,7 @@ int MB_ISA_FN(mb_m1_backward)(const mb_m1_weights *w, int64_t B, int64_t L, cons
 
     MB_ISA_FN(mb_colfold)(B, L, di, dys, di, u, di, 0, gr->D, 1);
     MB_ISA_FN(mb_colfold)(B, L, di, ds, di, NULL, 0, 0, gr->dt_proj_b, 1);
-    float *dux = dyg, *dxn = yg, *xr = spre; /* dead by then */
+    float *dux = dyg, *dxn = yg; /* dead by then */
     rc = MB_ISA_FN(mb_linear_bwd)(M, dm, di, yg, di, w->out_proj, di, dy, dm, gr->out_proj, NULL, 0);
     if (rc == MB_OK)
         rc = MB_ISA_FN(mb_linear_bwd)(M, di, R, xdbl, XR, w->dt_proj_w, R, ds, di, gr->dt_proj_w,

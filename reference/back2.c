@@ -313,7 +313,7 @@ static void chunk_c(const bctx *c, int64_t b, int64_t k, float *scr)
 }
 
 int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                              const float *dy, const mb_m2_grads *gr)
+                              const float *kept, const float *dy, const mb_m2_grads *gr)
 {
     const int64_t dm = w->d_model, di = 2 * dm, H = di / HP, CD = di + 2 * NS, NP = di + CD + H;
     const int64_t M = B * L, nk = (L + CQ - 1) / CQ, nth = mb_max_threads();
@@ -321,14 +321,13 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     /* sizes of every buffer, in floats, in allocation order; each a whole number of
      * cache lines */
     const int64_t sz[] = {
-        B * CD * TAPS + B * H * HP * NS + B * CQ * CD + B * CQ * H, /* fresh state */
-        M * NP, M * CD, M * CD, M * CQ, M * di, B * H * nk * NS * HP, /* activations */
+        kept ? 0 : m2_state_floats(dm, B) + m2_acts_floats(dm, B, L), /* the forward's */
         M * dm,                                                  /* dxn */
-        M * di, M * di, M * di, M * di,                          /* g, gn / dg, dgn / dY, xr */
+        M * di, M * di, M * di,                                  /* gn / dg, dgn / dY, xr */
         M * NP, M * CD, 9 * M * H,                               /* dzxd, du, ddA dts dcs sacc vals */
         2 * B * H * nk * NS * HP + B * H * nk,                   /* dhn, dh, E */
         nth * bscr,                                              /* per-thread scratch */
-        M * dm, M * dm,                                          /* xn, xr */
+        M * dm,                                                  /* xr */
     };
     enum { NB = sizeof sz / sizeof sz[0] };
     int64_t total = 0, at[NB];
@@ -345,21 +344,25 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
     }
     float *p[NB];
     for (int i = 0; i < NB; i++) p[i] = buf + at[i];
-    memset(p[0], 0, (size_t)sz[0] * sizeof(float));
-    const mb_m2_state st = {p[0], p[0] + B * CD * TAPS, p[0] + B * CD * TAPS + B * H * HP * NS,
-                            p[0] + B * CD * TAPS + B * H * HP * NS + B * CQ * CD, cnt};
-    const m2_acts acts = {p[1], p[2], p[3], p[4], p[5], p[8], p[6], p[17]};
-    float *g = acts.g, *gn = p[9], *dgn = p[10], *xr2 = p[11];
-    float *dzxd = p[12], *du = p[13], *ddA = p[14], *dts = ddA + M * H;
-    float *dhn = p[15], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
-    float *scr = p[16], *xn = p[17], *xr = p[18];
-
-    int rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, &acts);
+    m2_acts acts;
+    float *gn = p[2], *dgn = p[3], *xr2 = p[4];
+    float *dzxd = p[5], *du = p[6], *ddA = p[7], *dts = ddA + M * H;
+    float *dhn = p[8], *dhs = dhn + B * H * nk * NS * HP, *E = dhs + B * H * nk * NS * HP;
+    float *scr = p[9], *xr = p[10];
+    int rc = MB_OK;
+    if (kept) {
+        m2_acts_carve(&acts, (float *)kept, dm, B, L);
+    } else {
+        const mb_m2_state st = m2_zero_state(p[0], cnt, dm, B);
+        m2_acts_carve(&acts, p[0] + m2_state_floats(dm, B), dm, B, L);
+        rc = MB_ISA_FN(mb_m2_acts)(w, B, L, x, &st, &acts);
+    }
     if (rc != MB_OK) {
         mb_scratch_give(buf);
         free(cnt);
         return rc;
     }
+    const float *g = acts.g, *xn = acts.xn;
 
     /* out_proj: dW = dy^T . gn over the tokens; dgn = dy . W */
     MB_ISA_FN(mb_rmsnorm_rows)(M, di, g, di, w->norm_w, gn, di);
@@ -423,7 +426,7 @@ int MB_ISA_FN(mb_m2_backward)(const mb_m2_weights *w, int64_t B, int64_t L, cons
                                 gr->conv_w, gr->conv_b, dzxd + di, NP);
 
     /* in_proj: dW = dzxd^T . xn over the tokens (xn from the forward); dxn = dzxd . W */
-    float *dxn = p[7];
+    float *dxn = p[1];
     rc = MB_ISA_FN(mb_linear_bwd)(M, NP, dm, xn, dm, w->in_proj, dm, dzxd, NP, gr->in_proj, dxn, dm);
     if (rc != MB_OK) {
         mb_scratch_give(buf);

@@ -129,34 +129,49 @@ void MB_ISA_FN(mb_m1_front)(const mb_m1_weights *w, int64_t B, const int64_t *of
     }
 }
 
-int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
-                             const float *x, const mb_m1_state *st, float *y)
+/* mb_m1_forward; keep (lengths NULL), when given, receives the front's activations. */
+static int m1_run(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                  const float *x, const mb_m1_state *st, float *y, float *keep)
 {
     const int64_t dm = w->d_model, di = 2 * dm, R = (dm + 15) / 16, XR = R + 2 * NS;
     int64_t *off = malloc((size_t)(B + 1) * sizeof *off);
     if (!off)
         return MB_ENOMEM;
     const int64_t M = mb_row_offsets(B, L, lengths, off);
-    /* one allocation: xn/out (M dm), xz (M 2di), u, delta, yi (M di), xdbl (M XR),
-     * AT (16 di), and the packed input and output when the batch is ragged */
+    /* one allocation: yi (M di), AT (16 di), then the front's xn (M dm), xz (M 2di), u,
+     * delta (M di), xdbl (M XR) (or, when they are kept, out_proj's output (M dm),
+     * which otherwise goes over xn), and the packed input and output when the batch is
+     * ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *buf = mb_scratch_take((size_t)(M * dm + 5 * M * di + M * XR + NS * di + ragged));
+    float *buf = mb_scratch_take((size_t)(M * di + NS * di + (keep ? M * dm : M * dm + 4 * M * di + M * XR)
+                                          + ragged));
     if (!buf) {
         free(off);
         return MB_ENOMEM;
     }
-    float *xn = buf, *xz = xn + M * dm, *u = xz + 2 * M * di, *delta = u + M * di;
-    float *yi = delta + M * di, *xdbl = yi + M * di, *AT = xdbl + M * XR;
+    float *yi = buf, *AT = yi + M * di, *tail = AT + NS * di;
+    m1_acts a = {0};
+    if (keep) {
+        m1_acts_carve(&a, keep, dm, M);
+    } else {
+        a.xn = tail;
+        a.xz = a.xn + M * dm;
+        a.u = a.xz + 2 * M * di;
+        a.delta = a.u + M * di;
+        a.xdbl = a.delta + M * di;
+        tail = a.xdbl + M * XR;
+    }
+    float *xn = a.xn, *xz = a.xz, *u = a.u, *delta = a.delta, *xdbl = a.xdbl;
+    float *ob = keep ? tail : xn;
     const float *xs = x;
     float *ys = y;
     if (lengths) {
-        float *xp = AT + NS * di;
-        mb_pack_rows(B, L, dm, off, x, xp);
-        xs = xp;
-        ys = xp + M * dm;
+        mb_pack_rows(B, L, dm, off, x, tail);
+        xs = tail;
+        ys = tail + M * dm;
     }
 
-    MB_ISA_FN(mb_m1_front)(w, B, off, xs, xn, xz, st->conv_window, NULL, u, xdbl, NULL, delta);
+    MB_ISA_FN(mb_m1_front)(w, B, off, xs, xn, xz, st->conv_window, a.pre, u, xdbl, a.spre, delta);
     for (int64_t c = 0; c < di; c++)
         for (int n = 0; n < NS; n++)
             AT[n * di + c] = -mb_exp(w->A_log[c * NS + n]);
@@ -172,10 +187,29 @@ int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const
         mb_fpenv_exit(env);
     }
 
-    MB_ISA_FN(mb_out_residual)(M, dm, di, yi, w->out_proj, xs, xn, ys);
+    MB_ISA_FN(mb_out_residual)(M, dm, di, yi, w->out_proj, xs, ob, ys);
     if (lengths)
         mb_unpack_rows(B, L, dm, off, ys, y);
     mb_scratch_give(buf);
     free(off);
     return MB_OK;
+}
+
+int MB_ISA_FN(mb_m1_forward)(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *lengths,
+                             const float *x, const mb_m1_state *st, float *y)
+{
+    return m1_run(w, B, L, lengths, x, st, y, NULL);
+}
+
+int MB_ISA_FN(mb_m1_vjp)(const mb_m1_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                         float *kept)
+{
+    const int64_t di = 2 * w->d_model;
+    float *z = calloc((size_t)(B * di * (4 + NS)), sizeof(float)); /* a zero state */
+    if (!z)
+        return MB_ENOMEM;
+    const mb_m1_state st = {z, z + B * di * 4};
+    const int rc = m1_run(w, B, L, NULL, x, &st, y, kept);
+    free(z);
+    return rc;
 }

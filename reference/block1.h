@@ -31,6 +31,30 @@ static inline mb_vf mb_m1_h_next_v(mb_vf dA, mb_vf h, mb_vf delta, mb_vf bn, mb_
 #endif
 }
 
+/* mb_m1_front's outputs for M tokens, all of them kept by a vjp's forward for its
+ * backward, laid out from p; returns the float past them. */
+typedef struct {
+    float *xn, *xz, *pre, *u, *xdbl, *spre, *delta;
+} m1_acts;
+
+static inline float *m1_acts_carve(m1_acts *a, float *p, int64_t dm, int64_t M)
+{
+    const int64_t di = 2 * dm, XR = (dm + 15) / 16 + 2 * MB_M1_NS;
+    float **at[] = {&a->xn, &a->xz, &a->pre, &a->u, &a->xdbl, &a->spre, &a->delta};
+    const int64_t sz[] = {M * dm, 2 * M * di, M * di, M * di, M * XR, M * di, M * di};
+    for (int i = 0; i < 7; i++) {
+        *at[i] = p;
+        p += sz[i];
+    }
+    return p;
+}
+
+static inline int64_t m1_acts_floats(int64_t dm, int64_t M)
+{
+    m1_acts a;
+    return m1_acts_carve(&a, (float *)0, dm, M) - (float *)0;
+}
+
 /* Steps 1-4 for the M packed tokens of B rows (row b at [off[b], off[b + 1])): xn (M, dm),
  * xz (M, 2 di), u (M, di), xdbl (M, R + 32), delta (M, di). window (B, di, 4) is each
  * row's carried conv window, updated. pre (M, di), the conv outputs before silu, and

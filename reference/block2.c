@@ -25,7 +25,7 @@
 
 #define NS MB_M2_NS
 #define HP MB_M2_HP
-#define BUFROWS 256  /* rows of the state buffers */
+#define BUFROWS MB_M2_BUFROWS
 #define CQ MB_M2_Q
 #define TR MB_M2_TR   /* rows per register tile */
 #define GB 64        /* output rows per G task */
@@ -404,6 +404,30 @@ int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const fl
                           const mb_m2_state *st, const m2_acts *acts)
 {
     return m2_run(w, B, L, NULL, x, st, NULL, acts);
+}
+
+int MB_ISA_FN(mb_m2_vjp)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x, float *y,
+                         float *kept)
+{
+    const int64_t dm = w->d_model, di = 2 * dm, M = B * L;
+    float *z = malloc((size_t)m2_state_floats(dm, B) * sizeof(float));
+    int64_t *cnt = malloc((size_t)B * sizeof *cnt);
+    float *t = mb_scratch_take((size_t)(M * (di + dm)));
+    m2_acts a;
+    m2_acts_carve(&a, kept, dm, B, L);
+    int rc = MB_ENOMEM;
+    if (z && cnt && t) {
+        const mb_m2_state st = m2_zero_state(z, cnt, dm, B);
+        rc = m2_run(w, B, L, NULL, x, &st, NULL, &a);
+    }
+    if (rc == MB_OK) { /* the forward's tail, from the kept gated output */
+        MB_ISA_FN(mb_rmsnorm_rows)(M, di, a.g, di, w->norm_w, t, di);
+        MB_ISA_FN(mb_out_residual)(M, dm, di, t, w->out_proj, x, t + M * di, y);
+    }
+    mb_scratch_give(t);
+    free(cnt);
+    free(z);
+    return rc;
 }
 
 int MB_ISA_FN(mb_m2_h_last)(const mb_m2_weights *w, int64_t B, const mb_m2_state *st, float *h_last)

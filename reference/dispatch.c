@@ -2,19 +2,25 @@
  * with FTZ/DAZ cleared (fpenv.h). */
 #include "mamba_ref.h"
 #include "fpenv.h"
+#include "block1.h"
+#include "block2.h"
 #include "block3.h"
 
 #define DECLARE_ISA(ret, name, params) \
     ret name##_base params; ret name##_v3 params; ret name##_v4 params;
 DECLARE_ISA(int, mb_m1_forward, (const mb_m1_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m1_state *, float *))
+DECLARE_ISA(int, mb_m1_vjp, (const mb_m1_weights *, int64_t, int64_t, const float *, float *,
+                             float *))
 DECLARE_ISA(int, mb_m1_backward, (const mb_m1_weights *, int64_t, int64_t, const float *,
-                                  const float *, const mb_m1_grads *))
+                                  const float *, const float *, const mb_m1_grads *))
 DECLARE_ISA(int, mb_m2_forward, (const mb_m2_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, const mb_m2_state *, float *))
 DECLARE_ISA(int, mb_m2_h_last, (const mb_m2_weights *, int64_t, const mb_m2_state *, float *))
+DECLARE_ISA(int, mb_m2_vjp, (const mb_m2_weights *, int64_t, int64_t, const float *, float *,
+                             float *))
 DECLARE_ISA(int, mb_m2_backward, (const mb_m2_weights *, int64_t, int64_t, const float *,
-                                  const float *, const mb_m2_grads *))
+                                  const float *, const float *, const mb_m2_grads *))
 DECLARE_ISA(int, mb_m3_forward, (const mb_m3_weights *, int64_t, int64_t, const int64_t *,
                                  const float *, mb_m3_state *, float *, const mb_m3_reports *))
 DECLARE_ISA(int, mb_m3_vjp, (const mb_m3_weights *, int64_t, int64_t, const float *, float *,
@@ -74,11 +80,24 @@ int mb_m1_forward(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *l
     return rc;
 }
 
-int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m1_grads *grads)
+int64_t mb_m1_kept_floats(int64_t d_model, int64_t B, int64_t L)
+{
+    return m1_acts_floats(d_model, B * L);
+}
+
+int mb_m1_vjp(const mb_m1_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept)
 {
     int rc;
-    GUARDED(rc = ISA(mb_m1_backward)(w, B, L, x, dy, grads))
+    GUARDED(rc = ISA(mb_m1_vjp)(w, B, L, x, y, kept))
+    return rc;
+}
+
+int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *kept, const float *dy, const mb_m1_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m1_backward)(w, B, L, x, kept, dy, grads))
     return rc;
 }
 
@@ -97,11 +116,24 @@ int mb_m2_h_last(const mb_m2_weights *w, int64_t B, const mb_m2_state *state, fl
     return rc;
 }
 
-int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m2_grads *grads)
+int64_t mb_m2_kept_floats(int64_t d_model, int64_t B, int64_t L)
+{
+    return m2_acts_floats(d_model, B, L);
+}
+
+int mb_m2_vjp(const mb_m2_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept)
 {
     int rc;
-    GUARDED(rc = ISA(mb_m2_backward)(w, B, L, x, dy, grads))
+    GUARDED(rc = ISA(mb_m2_vjp)(w, B, L, x, y, kept))
+    return rc;
+}
+
+int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
+                   const float *kept, const float *dy, const mb_m2_grads *grads)
+{
+    int rc;
+    GUARDED(rc = ISA(mb_m2_backward)(w, B, L, x, kept, dy, grads))
     return rc;
 }
 
@@ -113,9 +145,9 @@ int mb_m3_forward(const mb_m3_weights *w, int64_t B, int64_t L, const int64_t *l
     return rc;
 }
 
-int64_t mb_m3_kept_floats(int64_t d_model, int64_t M)
+int64_t mb_m3_kept_floats(int64_t d_model, int64_t B, int64_t L)
 {
-    return m3_proj_floats(d_model, M);
+    return m3_proj_floats(d_model, B * L);
 }
 
 int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,

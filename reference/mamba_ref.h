@@ -45,9 +45,17 @@ typedef struct {
 
 /* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
  * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
- * docs/numerics.md "Backward (Mamba-1)"). */
+ * docs/numerics.md "Backward (Mamba-1)"). kept: NULL, or what mb_m1_vjp left for
+ * these w and x (the same bits, without recomputing the projections and the conv). */
 int mb_m1_backward(const mb_m1_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m1_grads *grads);
+                   const float *kept, const float *dy, const mb_m1_grads *grads);
+
+/* A zero-state prefill of x (B, L, dm) into y (mb_m1_forward's bits) that also leaves
+ * in kept, mb_m1_kept_floats(d_model, B, L) floats, the activations before the scan
+ * that mb_m1_backward reads. */
+int64_t mb_m1_kept_floats(int64_t d_model, int64_t B, int64_t L);
+int mb_m1_vjp(const mb_m1_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept);
 
 /* ---- Mamba-2 SSD (identical.mamba2.fp32.v1): N = 128, P = 64, di = 2 dm, H = di / 64,
  * CD = di + 256 conv channels (x | B | C), chunk Q = 256 on each row's absolute grid. */
@@ -104,9 +112,17 @@ typedef struct {
 
 /* The vector-Jacobian product of a zero-state prefill of x (B, L, dm) (no lengths)
  * against dy (B, L, dm): every gradient, a pure function of (w, x, dy) (orders in
- * docs/numerics.md "Backward (Mamba-2)"). */
+ * docs/numerics.md "Backward (Mamba-2)"). kept: NULL, or what mb_m2_vjp left for
+ * these w and x (the same bits, without running the forward again). */
 int mb_m2_backward(const mb_m2_weights *w, int64_t B, int64_t L, const float *x,
-                   const float *dy, const mb_m2_grads *grads);
+                   const float *kept, const float *dy, const mb_m2_grads *grads);
+
+/* A zero-state prefill of x (B, L, dm) into y (mb_m2_forward's bits) that also leaves
+ * in kept, mb_m2_kept_floats(d_model, B, L) floats, the activations mb_m2_backward
+ * reads. */
+int64_t mb_m2_kept_floats(int64_t d_model, int64_t B, int64_t L);
+int mb_m2_vjp(const mb_m2_weights *w, int64_t B, int64_t L, const float *x, float *y,
+              float *kept);
 
 /* ---- Mamba-3 SISO (identical.mamba3.siso.fp32.v1): di = 2 dm, H = di / 64 heads,
  * in_proj rows 2 di + 256 + 3 H + 32 (z | x | B | C | dd_dt | dd_A | trap | angle). */
@@ -179,9 +195,9 @@ int mb_m3_backward(const mb_m3_weights *w, int64_t B, int64_t L, const float *x,
                    const float *kept, const float *dy, const mb_m3_grads *grads);
 
 /* A zero-state prefill of x (B, L, dm) into y (mb_m3_forward's bits) that also leaves
- * in kept, mb_m3_kept_floats(d_model, B * L) floats, the per-token projections
+ * in kept, mb_m3_kept_floats(d_model, B, L) floats, the per-token projections
  * mb_m3_backward reads. */
-int64_t mb_m3_kept_floats(int64_t d_model, int64_t M);
+int64_t mb_m3_kept_floats(int64_t d_model, int64_t B, int64_t L);
 int mb_m3_vjp(const mb_m3_weights *w, int64_t B, int64_t L, const float *x, float *y,
               float *kept);
 

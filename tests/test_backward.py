@@ -133,11 +133,14 @@ def test_backward_same_bits_on_every_isa(name):
     try:
         got = []
         for isa in range(best + 1):  # baseline, x86-64-v3, x86-64-v4: those this CPU runs
-            if _core._isa(isa) == isa:
+            if _core._isa(isa) == isa:  # backward, and a vjp's forward and pullback
+                y, pullback = blk.vjp(x)
                 got.append({k: np.asarray(v).tobytes() for k, v in blk.backward(x, dy).items()})
+                got.append({k: np.asarray(v).tobytes() for k, v in pullback(dy).items()})
+                got[-1]["y"] = got[-2]["y"] = np.asarray(y).tobytes()
     finally:
         _core._isa(best)
-    if len(got) < 2:
+    if len(got) < 4:
         pytest.skip("this CPU runs only the baseline copy")
     assert all(g == got[0] for g in got[1:])
 
