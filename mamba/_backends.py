@@ -99,7 +99,7 @@ class CpuBackend:
         """y = a zero-state prefill of x, its activations kept; returns an object whose
         backward(dy, gx, gw) is backward(xs, dy, gx, gw, kept=kept), xs a copy of x."""
         _host_only([x], "x")
-        kept = _core.empty((_core.kept_floats(kind, d_model, x.shape[0], x.shape[1]),))
+        kept = _core.scratch_empty(_core.kept_floats(kind, d_model, x.shape[0], x.shape[1]))
         _core.vjp(kind, w, d_model, x, y, kept, *dt_limit)
         xs = _core.copy(x)
         return SimpleNamespace(backward=lambda dy, gx, gw: backward(xs, dy, gx, gw, kept=kept))

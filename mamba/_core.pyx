@@ -430,6 +430,33 @@ def empty(shape):
     return _alloc(tuple(int(d) for d in shape), False)
 
 
+cdef extern from "scratch.h" nogil:
+    float *mb_scratch_take(size_t n)
+    void mb_scratch_give(float *p)
+
+
+cdef class _ScratchBlock:
+    """A block of the C reference's scratch cache, handed back when this dies."""
+    cdef float *p
+
+    def __dealloc__(self):
+        mb_scratch_give(self.p)
+
+
+def scratch_empty(int64_t n):
+    """An uninitialised host float32 Array of n values from the scratch cache (a vjp's
+    kept activations: a training loop reuses the block, not fresh pages)."""
+    cdef _ScratchBlock b = _ScratchBlock.__new__(_ScratchBlock)
+    b.p = mb_scratch_take(n)
+    if b.p == NULL:
+        raise MemoryError(f"mamba: cannot allocate {4 * n} bytes")
+    cdef Array a = Array.__new__(Array)
+    a._set_shape((n,))
+    a._ptr = <uintptr_t>b.p
+    a._owner = b
+    return a
+
+
 def zeros(shape):
     """A zero-filled host float32 Array."""
     return _alloc(tuple(int(d) for d in shape), True)

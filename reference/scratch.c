@@ -1,6 +1,8 @@
 /* A few cached scratch blocks (scratch.h). Concurrent calls each take their own
  * block; a block is kept for the next call unless it is larger than KEEP, so a
- * process holds at most SLOTS * KEEP bytes it is not using. Blocks from 2 MiB are
+ * process holds at most SLOTS * KEEP bytes it is not using. A training step holds
+ * up to four at once: a vjp's kept activations (the step before's still alive), its
+ * forward's scratch and its pullback's. Blocks from 2 MiB are
  * aligned to 2 MiB and offered to the kernel as huge pages (fewer faults and TLB
  * misses when a block is first touched). */
 #define _DEFAULT_SOURCE /* MADV_HUGEPAGE under -std=c11 */
@@ -12,7 +14,7 @@
 #include <sys/mman.h>
 #endif
 
-#define SLOTS 2
+#define SLOTS 4
 #define KEEP ((size_t)256 << 20)
 #define HUGE ((size_t)2 << 20)
 
