@@ -138,28 +138,23 @@ static int m1_run(const mb_m1_weights *w, int64_t B, int64_t L, const int64_t *l
     if (!off)
         return MB_ENOMEM;
     const int64_t M = mb_row_offsets(B, L, lengths, off);
-    /* one allocation: yi (M di), AT (16 di), then the front's xn (M dm), xz (M 2di), u,
-     * delta (M di), xdbl (M XR) (or, when they are kept, out_proj's output (M dm),
-     * which otherwise goes over xn), and the packed input and output when the batch is
-     * ragged */
+    /* one allocation: yi (M di), AT (16 di), then the front's activations (pre and
+     * spre left unwritten) or, when they are kept, out_proj's output (M dm), which
+     * otherwise goes over xn, and the packed input and output when the batch is ragged */
     const int64_t ragged = lengths ? 2 * M * dm : 0;
-    float *buf = mb_scratch_take((size_t)(M * di + NS * di + (keep ? M * dm : M * dm + 4 * M * di + M * XR)
+    float *buf = mb_scratch_take((size_t)(M * di + NS * di + (keep ? M * dm : m1_acts_floats(dm, M))
                                           + ragged));
     if (!buf) {
         free(off);
         return MB_ENOMEM;
     }
     float *yi = buf, *AT = yi + M * di, *tail = AT + NS * di;
-    m1_acts a = {0};
+    m1_acts a;
     if (keep) {
         m1_acts_carve(&a, keep, dm, M);
     } else {
-        a.xn = tail;
-        a.xz = a.xn + M * dm;
-        a.u = a.xz + 2 * M * di;
-        a.delta = a.u + M * di;
-        a.xdbl = a.delta + M * di;
-        tail = a.xdbl + M * XR;
+        tail = m1_acts_carve(&a, tail, dm, M);
+        a.pre = a.spre = NULL;
     }
     float *xn = a.xn, *xz = a.xz, *u = a.u, *delta = a.delta, *xdbl = a.xdbl;
     float *ob = keep ? tail : xn;

@@ -230,7 +230,7 @@ static void ssd_chunk(const m2_ctx *c, const mb_m2_weights *w, const mb_m2_state
 typedef struct { int64_t b, k, i0, i1; } g_task;
 
 /* The forward; acts (NULL in plain calls) receives copies of the activations the
- * backward reads. */
+ * backward reads, and then y (NULL: stop at the activations) comes from them. */
 static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *lengths,
                   const float *x, const mb_m2_state *st, float *y, const m2_acts *acts)
 {
@@ -252,9 +252,11 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
     }
     const int64_t E = eoff[B], ngt = nchunks * ((CQ + GB - 1) / GB);
     /* one allocation: xn/out (M dm), zxd (M NP), yb (M di), G (M CQ), the scratch chunks
-     * (E (CD + H)) (under acts, the activations hold all but the chunks' dt),
-     * per-thread SSD scratch, and the packed input and output if ragged */
-    const int64_t ragged = lengths ? 2 * M * dm : 0, own = acts ? 0 : dm + NP + di + CQ;
+     * (E (CD + H)) (under acts, the activations hold all but the chunks' dt, and y's
+     * normed rows and out_proj's output take M (di + dm)), per-thread SSD scratch, and
+     * the packed input and output if ragged */
+    const int64_t ragged = lengths ? 2 * M * dm : 0;
+    const int64_t own = acts ? (y ? di + dm : 0) : dm + NP + di + CQ;
     const int64_t eu = acts ? 0 : CD;
     const int64_t nf = M * own + E * (eu + H) + (int64_t)nth * SSD_SCRATCH
                        + B * H * NS * HP + ragged;
@@ -267,8 +269,10 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         return MB_ENOMEM;
     }
     float *xn = acts ? acts->xn : buf, *ext_u = buf + M * own, *ext_dtr = ext_u + E * eu;
+    float *ob = acts ? buf + M * di : xn; /* out_proj's output */
     float *hTs = ext_dtr + E * H;
     float *zxd = acts ? acts->zxd : xn + M * dm, *yb = acts ? acts->g : zxd + M * NP;
+    float *gn = acts ? buf : yb; /* the gated norm's output */
     float *G = acts ? acts->G : yb + M * di;
     float *scr = hTs + B * H * NS * HP;
     const float *xs = x;
@@ -380,11 +384,11 @@ static int m2_run(const mb_m2_weights *w, int64_t B, int64_t L, const int64_t *l
         st->buffered_tokens[b] = r;
     }
 
-    /* the SSD gated its outputs (g = Y * silu(z)); RMSNorm over di, out_proj, residual
-     * (not for the backward's activations, which stop at Y) */
-    if (!acts) {
-        MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, yb, di);
-        MB_ISA_FN(mb_out_residual)(M, dm, di, yb, w->out_proj, xs, xn, ys);
+    /* the SSD gated its outputs (g = Y * silu(z)); RMSNorm over di (in place but for
+     * kept activations), out_proj, residual */
+    if (y) {
+        MB_ISA_FN(mb_rmsnorm_rows)(M, di, yb, di, w->norm_w, gn, di);
+        MB_ISA_FN(mb_out_residual)(M, dm, di, gn, w->out_proj, xs, ob, ys);
         if (lengths)
             mb_unpack_rows(B, L, dm, off, ys, y);
     }
@@ -409,22 +413,16 @@ int MB_ISA_FN(mb_m2_acts)(const mb_m2_weights *w, int64_t B, int64_t L, const fl
 int MB_ISA_FN(mb_m2_vjp)(const mb_m2_weights *w, int64_t B, int64_t L, const float *x, float *y,
                          float *kept)
 {
-    const int64_t dm = w->d_model, di = 2 * dm, M = B * L;
+    const int64_t dm = w->d_model;
     float *z = malloc((size_t)m2_state_floats(dm, B) * sizeof(float));
     int64_t *cnt = malloc((size_t)B * sizeof *cnt);
-    float *t = mb_scratch_take((size_t)(M * (di + dm)));
     m2_acts a;
     m2_acts_carve(&a, kept, dm, B, L);
     int rc = MB_ENOMEM;
-    if (z && cnt && t) {
+    if (z && cnt) {
         const mb_m2_state st = m2_zero_state(z, cnt, dm, B);
-        rc = m2_run(w, B, L, NULL, x, &st, NULL, &a);
+        rc = m2_run(w, B, L, NULL, x, &st, y, &a);
     }
-    if (rc == MB_OK) { /* the forward's tail, from the kept gated output */
-        MB_ISA_FN(mb_rmsnorm_rows)(M, di, a.g, di, w->norm_w, t, di);
-        MB_ISA_FN(mb_out_residual)(M, dm, di, t, w->out_proj, x, t + M * di, y);
-    }
-    mb_scratch_give(t);
     free(cnt);
     free(z);
     return rc;

@@ -1,5 +1,6 @@
-"""The library needs no numpy: import, forward, step, sessions, lengths and Array all
-work with numpy blocked, on inputs built from array.array and memoryview."""
+"""The library needs no numpy: import, forward, step, sessions, lengths, backward, vjp
+and Array all work with numpy blocked, on inputs built from array.array and
+memoryview."""
 import array
 import subprocess
 import sys
@@ -25,6 +26,9 @@ for name, cls in [(n, getattr(mamba, c)) for n, c in
     with blk.decode_session(st) as s:
         s.step(mamba.asarray(array.array("f", [0.25] * (2 * d)), (2, 1, d)))
     blk.forward(x, lengths=[5, 2])
+    g = blk.backward(x, x)
+    yv, pullback = blk.vjp(x)
+    assert yv.tolist() == y.tolist() and pullback(x)["x"].tolist() == g["x"].tolist()
     assert len(y.tolist()) == 2 and memoryview(y).shape == (2, 5, d)
 assert "numpy" not in sys.modules or sys.modules["numpy"] is None
 print("ok")
