@@ -15,10 +15,12 @@ opts=("$@")
 [ ${#opts[@]} -gt 0 ] || opts=(--only decode)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for t in "$a" "$b"; do
+for t in "$a" "$b"; do  # side by side: each build is one single-threaded nvcc
     python3 -m pip install -q --no-build-isolation --no-deps --no-index \
-        --target "$work/$(basename "$t")" "$t" > "$work/$(basename "$t").log" 2>&1 ||
-        { cat "$work/$(basename "$t").log" >&2; exit 1; }
+        --target "$work/$(basename "$t")" "$t" > "$work/$(basename "$t").log" 2>&1 &
+done
+for t in "$a" "$b"; do
+    wait -n || { cat "$work"/*.log >&2; exit 1; }
 done
 for t in "$a" "$b"; do  # an editable install elsewhere could shadow the tree's build
     n=$(basename "$t")

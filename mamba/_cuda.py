@@ -31,11 +31,11 @@ from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
-# gemm.cu's tiled kernels, (kernel, BM, BN, threads): the narrow one takes an N it
-# covers in one tile, the residual one a call with res
+# gemm.cu's tiled kernels, (kernel, BM, BN, threads): the narrow ones take an N
+# they cover in one tile (the first that does), the residual one a call with res
 GEMM_WIDE = ("mb_gemm_k", 128, 256, 256)
 GEMM_RES = ("mb_gemm_res_k", 128, 256, 256)
-GEMM_NARROW = ("mb_gemm_n96_k", 128, 96, 96)
+GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96), ("mb_gemm_n160_k", 64, 160, 160))
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
@@ -54,12 +54,12 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemv_k", "mb_dot_fold_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
-           "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_fast_scan1p_k")
+           "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_fast_scan1p_k", "mb_math_k")
 # Kernels that pass MB_GRID_WAIT() (vendor.h) in every thread: in a session's graph
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
@@ -680,8 +680,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             tail = (norm, res, ldy, guard, host) + epi
         else:
             assert not guard
-            name, bm, bn, threads = (GEMM_RES if res else
-                                     GEMM_NARROW if N <= GEMM_NARROW[2] else GEMM_WIDE)
+            narrow = [g for g in GEMM_NARROW if N <= g[2]]
+            name, bm, bn, threads = GEMM_RES if res else narrow[0] if narrow else GEMM_WIDE
             smem, grid, tail = 0, (_cdiv(N, bn), _cdiv(M, bm), P), (res, ldy)
         if P == 1:
             self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
@@ -933,6 +933,19 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             nd = self._on_device(sc, norm) if norm is not None else 0
             parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
             self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, norm=nd)
+            self._finish(s, [(Y, yd)])
+        return Y
+
+    def _math(self, name, X):
+        """numerics.h's scalar function name (as _core._math names it) of each element
+        of host X on the device; a host result (tests)."""
+        self._enter()
+        s = self.stream()
+        Y = _core.empty(X.shape)
+        with _Scratch(self, s) as sc:
+            xd, yd = self._on_device(sc, X), sc(X.size)
+            self._launch(s.cu, "mb_math_k", (self._grid(X.size),), THREADS, _core._MATH[name],
+                         X.size, xd, yd)
             self._finish(s, [(Y, yd)])
         return Y
 

@@ -1,7 +1,8 @@
 /* The one math header of the identical profile (SPEC 4.3, 4.4), included by the C
  * reference and by every CUDA/HIP kernel. Only fmaf, floorf, sqrtf, bit casts,
- * integer ops and separately rounded float arithmetic: no libm transcendental, no
- * vendor intrinsic, so every compiler and device produces the same bits.
+ * integer ops and separately rounded float arithmetic (on NVIDIA also one add
+ * rounded down, an exact floor): no libm transcendental, no approximate vendor
+ * intrinsic, so every compiler and device produces the same bits.
  *
  * Elementwise functions are branch-free (both sides computed, then selected) so
  * that gcc -O3 -march=x86-64-v3 vectorises loops that call them; mb_sqrt/mb_rsqrt
@@ -103,11 +104,18 @@ MB_FN float mb_exp_poly_(float xc, int32_t *kout)
      * conversion (a GPU runs those at an eighth of the fma rate); floorf would not
      * vectorise under gcc's default -ftrapping-math. */
     float v = fmaf(xc, MB_EXP_LOG2E, 0.5f);
+#if defined(__CUDA_ARCH__)
+    /* the same floor in one add rounded down: t = floor(v) + 1.5 * 2^23 exactly */
+    float t = __fadd_rd(v, 12582912.0f);
+    float z = t - 12582912.0f;
+    *kout = (int32_t)(mb_f2u_(t) - 0x4B400000u);
+#else
     float t = v + 12582912.0f;
     float n = t - 12582912.0f;
     int up = n > v;
     *kout = (int32_t)(mb_f2u_(t) - 0x4B400000u) - up;
     float z = mb_sel_(up, n - 1.0f, n);
+#endif
     float r = fmaf(z, MB_EXP_C1, xc);
     r = fmaf(z, MB_EXP_C2, r);
     float p = MB_EXP_P0;

@@ -2,7 +2,9 @@
 once and collected twice: by test_gpu.py on a real GPU and by
 test_emulated_kernels.py on the host emulation of the kernels. `be` is the backend
 registered as "cuda" while they run. Numpy-free."""
+import array
 import math
+import struct
 
 import pytest
 
@@ -53,6 +55,43 @@ def poisoned(x, i):
     bad = mamba.asarray(memoryview(bytearray(raw(x))).cast("f"), memoryview(x).shape)
     memoryview(bad).cast("B").cast("f")[i] = math.nan
     return bad
+
+
+MATH = ("exp", "exp_core", "log1p", "softplus", "sigmoid", "silu", "sqrt", "rsqrt", "tanh",
+        "sin", "cos", "mod2pi")
+EXP_LO = -87.33654022216797  # numerics.h MB_EXP_LO, the low end of exp_core's domain
+
+
+def math_inputs(stride):
+    """float32 inputs whose bit patterns are every stride-th of the 2^32, the special
+    values, and the points where exp's reduction steps (x = (k - 1/2) ln 2, where
+    its floor changes) with their neighbours."""
+    bits = array.array("I", range(0, 1 << 32, stride))
+    bits.extend([0, 0x80000000, 1, 0x80000001, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000,
+                 0x7FC00000, 0x00800000, 0x807FFFFF])
+    for k in range(-130, 131):
+        b = struct.unpack("<I", struct.pack("<f", (k - 0.5) * math.log(2.0)))[0]
+        bits.extend([b - 1, b, b + 1])
+    return array.array("f", bits.tobytes())
+
+
+def math_matches_reference(be, stride):
+    """Each scalar function of numerics.h gives the C reference's bits on the device
+    (probe.c against math.cu; any NaN equals any NaN) over math_inputs(stride); exp's
+    core over the part of them in its domain [MB_EXP_LO, 0]."""
+    xs = math_inputs(stride)
+    core = array.array("f", (v for v in xs if EXP_LO <= v <= 0.0))
+    for name in MATH:
+        x = core if name == "exp_core" else xs
+        got = raw(be._math(name, mamba.asarray(x)))
+        want = raw(_core._math(name, x))
+        if got == want:
+            continue
+        g, w = array.array("f", got), array.array("f", want)
+        bad = [i for i in range(len(x)) if got[4 * i:4 * i + 4] != want[4 * i:4 * i + 4]
+               and not (math.isnan(g[i]) and math.isnan(w[i]))]
+        assert not bad, (f"{name}({x[bad[0]]!r}): this backend {g[bad[0]]!r}, C reference "
+                         f"{w[bad[0]]!r} ({len(bad)} inputs differ)")
 
 
 SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]

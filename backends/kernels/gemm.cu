@@ -12,11 +12,10 @@
 #include "chain.h"
 
 #define BK 8
-#define TM 16 /* a thread's outputs: TM/4 x TN/4 blocks of 4 x 4 */
-#define TN 8
 
 /* One tile shape of the kernels below: BM x BN outputs per block, warps of WM x WN
- * outputs (lanes LY along M x LX along N), blockDim (BM / WM) (BN / WN) warps. Grid
+ * outputs (lanes LY along M x LX along N), each lane TM x TN of them (TM / 4 x TN / 4
+ * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps. Grid
  * (ceil(N/BN), ceil(M/BM), leaves); leaf z writes Y + z * ldleaf.
  * Loads: float4 f = tid + q * threads of a tile is row f / 2, k 4 (f % 2) + 0..3, so
  * a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
@@ -32,7 +31,7 @@
  * than row by row). RES: Y = res + chain, as mb_residual_k would add the residual
  * (uniform rows: res has Y's layout, ld ldr); a compile-time choice, since a runtime
  * one changed the main loop's register allocation and cost 6% on the H200. */
-template <int BM, int BN, int WM, int WN, bool RES>
+template <int BM, int BN, int WM, int WN, int TM, int TN, bool RES>
 MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                        const float *W, int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf,
                        const float *res, int64_t ldr)
@@ -196,21 +195,27 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
 /* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes (res unused) */
 MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_k(MB_GEMM_ARGS)
 {
-    gemm_tiles<128, 256, 64, 64, false>(MB_GEMM_PASS);
+    gemm_tiles<128, 256, 64, 64, 16, 8, false>(MB_GEMM_PASS);
 }
 
 /* the same, adding the residual res (a uniform out_proj) */
 MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_res_k(MB_GEMM_ARGS)
 {
-    gemm_tiles<128, 256, 64, 64, true>(MB_GEMM_PASS);
+    gemm_tiles<128, 256, 64, 64, 16, 8, true>(MB_GEMM_PASS);
 }
 
-/* N up to 96 (Mamba-1's x_proj at d_model 1024, N = d_model / 16 + 32): one tile of
- * 3 warps of 128 x 32 covers N, so that no block walks 256 columns for 96 (res
- * unused) */
+/* Narrow N, one tile across (res unused), so that no block walks 256 columns for
+ * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
+ * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32, whose smaller rows give
+ * a B 1 call twice the blocks */
 MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
 {
-    gemm_tiles<128, 96, 128, 32, false>(MB_GEMM_PASS);
+    gemm_tiles<128, 96, 128, 32, 16, 8, false>(MB_GEMM_PASS);
+}
+
+MB_KERNEL void MB_BOUNDS_MIN(160, 2) mb_gemm_n160_k(MB_GEMM_ARGS)
+{
+    gemm_tiles<64, 160, 64, 32, 8, 8, false>(MB_GEMM_PASS);
 }
 
 #undef MB_GEMM_ARGS
@@ -349,8 +354,6 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
 }
 
 #undef BK
-#undef TM
-#undef TN
 #undef GV_ROWS
 #undef GV_MROWS
 #undef GV_KC

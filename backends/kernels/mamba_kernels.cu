@@ -16,3 +16,4 @@
 #include "back1.cu"
 #include "back2.cu"
 #include "back3.cu"
+#include "math.cu"

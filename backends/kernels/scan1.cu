@@ -67,13 +67,28 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
             }
             const bool core = __syncthreads_and(in_range);
             auto advance = [&](auto exp) {
+                auto step = [&](int i) {
+                    const float dl = sdl[k][i];
+                    hn = fmaf(exp(dl * a), hn, (dl * sB[i][n]) * su[k][i]);
+                    hs[k][i][n] = hn;
+                };
+                /* a whole group takes its exps first, as independent chains that
+                 * interleave: at B 1 too few warps are resident to hide a step's
+                 * latency */
+                if (ng == SG) {
+                    float e[SG];
 #pragma unroll
-                for (int i = 0; i < SG; i++) {
-                    if (i < ng) {
+                    for (int i = 0; i < SG; i++) e[i] = exp(sdl[k][i] * a);
+#pragma unroll
+                    for (int i = 0; i < SG; i++) {
                         const float dl = sdl[k][i];
-                        hn = fmaf(exp(dl * a), hn, (dl * sB[i][n]) * su[k][i]);
+                        hn = fmaf(e[i], hn, (dl * sB[i][n]) * su[k][i]);
                         hs[k][i][n] = hn;
                     }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < SG; i++)
+                        if (i < ng) step(i);
                 }
             };
             if (core)
