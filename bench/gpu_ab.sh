@@ -6,7 +6,9 @@
 # compared with its base on the same machine, in one call. Each tree is built with
 # `pip install --target` into a folder of its own (its build needs meson-python
 # importable, e.g. through PYTHONPATH) and runs its own bench/gpu.py; every output
-# line is prefixed with the tree's name. Default options: --only decode.
+# line is prefixed with the tree's name. Default options: --only decode. With
+# AB_JSON set to a folder, each run also writes its results there as NAME-ROUND.json
+# (per-kernel tables included).
 set -euo pipefail
 a=$(cd "$1" && pwd) b=$(cd "$2" && pwd)
 rounds=${3:-2}
@@ -31,7 +33,10 @@ done
 for r in $(seq "$rounds"); do
     for t in "$a" "$b"; do
         n=$(basename "$t")
+        json=()
+        [ -z "${AB_JSON:-}" ] || json=(--json "$AB_JSON/$n-$r.json")
         (cd "$work" && PYTHONPATH="$work/$n${PYTHONPATH:+:$PYTHONPATH}" \
-            python3 "$t/bench/gpu.py" "${opts[@]}" 2>&1 | grep -v -i warn | sed "s/^/$n /")
+            python3 "$t/bench/gpu.py" "${opts[@]}" "${json[@]}" 2>&1 | grep -v -i warn |
+            sed "s/^/$n /")
     done
 done

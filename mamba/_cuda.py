@@ -31,11 +31,16 @@ from . import _cuda_ssd
 
 FATBIN = "mamba_kernels.fatbin"
 LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
-# gemm.cu's tiled kernels, (kernel, BM, BN, threads): the narrow ones take an N
-# they cover in one tile (the first that does), the residual one a call with res
-GEMM_WIDE = ("mb_gemm_k", 128, 256, 256)
-GEMM_RES = ("mb_gemm_res_k", 128, 256, 256)
-GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96), ("mb_gemm_n160_k", 64, 160, 160))
+# gemm.cu's tiled kernels, (kernel, BM, BN, threads, blocks a multiprocessor): the
+# narrow ones take an N they cover in one tile (the first that does), the residual
+# one a call with res; the tail ones (with and without res) the tiles of a wide call
+# past its last whole wave
+GEMM_WIDE = ("mb_gemm_k", 128, 256, 256, 1)
+GEMM_RES = ("mb_gemm_res_k", 128, 256, 256, 1)
+GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96, 2), ("mb_gemm_n160_k", 64, 160, 160, 2))
+GEMM_TAIL = {"mb_gemm_k": ("mb_gemm_tail_k", 32, 64, 64),
+             "mb_gemm_res_k": ("mb_gemm_tail_res_k", 32, 64, 64)}
+TAIL_MAX = 0.5  # the tail kernels take a remainder of at most this much of a wave
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
@@ -54,7 +59,8 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemv_k", "mb_dot_fold_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemm_tail_k",
+           "mb_gemm_tail_res_k", "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
@@ -681,8 +687,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         else:
             assert not guard
             narrow = [g for g in GEMM_NARROW if N <= g[2]]
-            name, bm, bn, threads = GEMM_RES if res else narrow[0] if narrow else GEMM_WIDE
-            smem, grid, tail = 0, (_cdiv(N, bn), _cdiv(M, bm), P), (res, ldy)
+            name, bm, bn, threads, per_sm = (GEMM_RES if res else narrow[0] if narrow else
+                                             GEMM_WIDE)
+            tiles, wave = _cdiv(M, bm) * _cdiv(N, bn), per_sm * self.sms
+            left = tiles % wave
+            if P == 1 and name in GEMM_TAIL and tiles > wave and left <= TAIL_MAX * wave:
+                self._gemm_tail(s, name, bm, bn, tiles - left, M, N, K, X, ldx, W, ldw, Y, ldy,
+                                res)
+                tiles -= left
+            smem, grid, tail = 0, (tiles, 1, P), (res, ldy)
         if P == 1:
             self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
                          smem=smem)
@@ -691,6 +704,23 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                      *((0,) * len(tail)), smem=smem)
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
+
+    def _gemm_tail(self, s, wide, bm, bn, first, M, N, K, X, ldx, W, ldw, Y, ldy, res):
+        """The tiles of a one-leaf wide call from tile `first` on (row-major over (M /
+        bm, N / bn)) as the small tiles of GEMM_TAIL[wide]: the rest of tile row r and
+        the rows after it."""
+        name, tbm, tbn, threads = GEMM_TAIL[wide]
+        r, c = divmod(first, _cdiv(N, bn))
+        rects = [(r * bm, min(M, (r + 1) * bm), c * bn), ((r + 1) * bm, M, 0)] if c else [
+            (r * bm, M, 0)]
+        X, W, Y, res = _ptr(X), _ptr(W), _ptr(Y), _ptr(res)
+        for m0, m1, n0 in rects:
+            if m1 <= m0:
+                continue
+            at = 4 * (m0 * ldy + n0)
+            self._launch(s, name, (_cdiv(m1 - m0, tbm) * _cdiv(N - n0, tbn), 1, 1), threads,
+                         m1 - m0, N - n0, K, X + 4 * m0 * ldx, ldx, W + 4 * n0 * ldw, ldw,
+                         Y + at, ldy, 0, res + at if res else 0, ldy)
 
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
         """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
@@ -922,17 +952,19 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                     self.release(free)
 
     # ------------------------------------------------------------ test hooks
-    def _gemm(self, X, W, M, N, K, fast=False, norm=None):
+    def _gemm(self, X, W, M, N, K, fast=False, norm=None, res=None):
         """Y = X . W^T on the device for host X (M, K), W (N, K); a host Y (tests).
-        norm: a host RMSNorm weight (K,) that the GEMV applies to X's rows first."""
+        norm: a host RMSNorm weight (K,) that the GEMV applies to X's rows first; res:
+        a host (M, N) added as the residual."""
         self._enter()
         s = self.stream()
         Y = _core.empty((M, N))
         with _Scratch(self, s) as sc:
             xd, wd, yd = self._on_device(sc, X), self._on_device(sc, W), sc(M * N)
             nd = self._on_device(sc, norm) if norm is not None else 0
+            rd = self._on_device(sc, res) if res is not None else 0
             parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
-            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, norm=nd)
+            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, res=rd, norm=nd)
             self._finish(s, [(Y, yd)])
         return Y
 

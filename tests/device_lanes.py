@@ -94,6 +94,27 @@ def math_matches_reference(be, stride):
                          f"{w[bad[0]]!r} ({len(bad)} inputs differ)")
 
 
+def gemm_tails(be, monkeypatch):
+    """A wide call whose tiles pass its last whole wave by at most half a wave runs
+    those tiles as small ones (gemm.cu mb_gemm_tail_k, mb_gemm_tail_res_k) with the
+    C reference's bits: a tail that starts inside a tile row and one of whole rows,
+    with and without the residual. The shapes follow the backend's wave."""
+    tails = []
+    real = be._gemm_tail
+    monkeypatch.setattr(be, "_gemm_tail", lambda *a: tails.append(a[4]) or real(*a))
+    wave = be.sms  # one 128 x 256 tile a multiprocessor
+    cols = next(c for c in range(2, wave + 2) if (wave + 1) % c == 0)
+    # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start
+    for M, N, K in [(128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 19),
+                    (128 * (wave + 1) - 3, 200, 13)]:
+        X, W, R = rand((M, K), 70), rand((N, K), 71), rand((M, N), 72)
+        want = _core._gemm(X, W, M, N, K)
+        assert raw(be._gemm(X, W, M, N, K)) == raw(want), (M, N, K)
+        summed = array.array("f", (r + w for r, w in zip(floats(R), floats(want))))
+        assert raw(be._gemm(X, W, M, N, K, res=R)) == summed.tobytes(), (M, N, K, "res")
+    assert len(tails) == 4
+
+
 SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]
 
 

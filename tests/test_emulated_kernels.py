@@ -22,7 +22,7 @@ from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
-                          frees_during_capture, host, math_matches_reference, norm_gemv, poisoned,
+                          frees_during_capture, gemm_tails, host, math_matches_reference, norm_gemv, poisoned,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges, ssd_session_graph,
                           state_of)
 
@@ -569,6 +569,10 @@ def test_copies_land_at_their_wait(be):
 
 def test_scan_exp_ranges(be):
     scan_exp_ranges(be)
+
+
+def test_gemm_tails(be, monkeypatch):
+    gemm_tails(be, monkeypatch)
 
 
 def test_math_matches_reference(be):

@@ -18,7 +18,7 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture,
-                          math_matches_reference, norm_gemv, refusals_after_launch, rmsnorm_rows,
+                          gemm_tails, math_matches_reference, norm_gemv, refusals_after_launch, rmsnorm_rows,
                           scan_exp_ranges, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
@@ -256,6 +256,11 @@ def test_norm_gemv(be, M, N, K):
 @pytest.mark.gpu
 def test_scan_exp_ranges(be):
     scan_exp_ranges(be)
+
+
+@pytest.mark.gpu
+def test_gemm_tails(be, monkeypatch):
+    gemm_tails(be, monkeypatch)
 
 
 @pytest.mark.gpu

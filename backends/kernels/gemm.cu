@@ -15,8 +15,9 @@
 
 /* One tile shape of the kernels below: BM x BN outputs per block, warps of WM x WN
  * outputs (lanes LY along M x LX along N), each lane TM x TN of them (TM / 4 x TN / 4
- * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps. Grid
- * (ceil(N/BN), ceil(M/BM), leaves); leaf z writes Y + z * ldleaf.
+ * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps. Grid (ceil(M/BM) ceil(N/BN),
+ * 1, leaves): block x takes tile x of the row-major order over (M / BM, N / BN);
+ * leaf z writes Y + z * ldleaf.
  * Loads: float4 f = tid + q * threads of a tile is row f / 2, k 4 (f % 2) + 0..3, so
  * a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
  * instead (their outputs are never stored). The next tile is loaded into registers
@@ -45,7 +46,7 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int wm = warp / (BN / WN) * WM, wn = warp % (BN / WN) * WN;
     const int ly = lane / LX, lx = lane % LX;
-    const int64_t m0 = (int64_t)blockIdx.y * BM, n0 = (int64_t)blockIdx.x * BN;
+    const int64_t tn = (N + BN - 1) / BN, m0 = blockIdx.x / tn * BM, n0 = blockIdx.x % tn * BN;
     const int64_t k0 = (int64_t)blockIdx.z * MB_DOT_LEAF;
     const int kl = (int)(K - k0 < MB_DOT_LEAF ? K - k0 : MB_DOT_LEAF); /* this leaf's terms */
     Y += (int64_t)blockIdx.z * ldleaf;
@@ -187,39 +188,35 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     }
 }
 
-#define MB_GEMM_ARGS                                                                  \
-    int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W, int64_t ldw, \
-        float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr
-#define MB_GEMM_PASS M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, ldr
+/* A kernel of one tile shape (gemm_tiles' parameters), at `blocks` blocks a
+ * multiprocessor */
+#define MB_GEMM_KERNEL(name, blocks, BM, BN, WM, WN, TM, TN, RES)                     \
+    MB_KERNEL void MB_BOUNDS_MIN(32 * (BM / WM) * (BN / WN), blocks)                  \
+    name(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,   \
+         int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr) \
+    {                                                                                 \
+        gemm_tiles<BM, BN, WM, WN, TM, TN, RES>(M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, \
+                                               ldr);                                  \
+    }
 
-/* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes (res unused) */
-MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_k(MB_GEMM_ARGS)
-{
-    gemm_tiles<128, 256, 64, 64, 16, 8, false>(MB_GEMM_PASS);
-}
-
-/* the same, adding the residual res (a uniform out_proj) */
-MB_KERNEL void MB_BOUNDS_MIN(256, 1) mb_gemm_res_k(MB_GEMM_ARGS)
-{
-    gemm_tiles<128, 256, 64, 64, 16, 8, true>(MB_GEMM_PASS);
-}
+/* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes, without and
+ * with the residual res (a uniform out_proj) */
+MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, false)
+MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, true)
 
 /* Narrow N, one tile across (res unused), so that no block walks 256 columns for
  * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
- * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32, whose smaller rows give
- * a B 1 call twice the blocks */
-MB_KERNEL void MB_BOUNDS_MIN(96, 2) mb_gemm_n96_k(MB_GEMM_ARGS)
-{
-    gemm_tiles<128, 96, 128, 32, 16, 8, false>(MB_GEMM_PASS);
-}
+ * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32 (on the H200 32 x 32 at
+ * four blocks a multiprocessor was slower) */
+MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, false)
+MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, false)
 
-MB_KERNEL void MB_BOUNDS_MIN(160, 2) mb_gemm_n160_k(MB_GEMM_ARGS)
-{
-    gemm_tiles<64, 160, 64, 32, 8, 8, false>(MB_GEMM_PASS);
-}
-
-#undef MB_GEMM_ARGS
-#undef MB_GEMM_PASS
+/* The tiles left after the last whole wave of a wide call, on 32 x 64 tiles of two
+ * warps: a small tail of 128 x 256 tiles would keep all but a few multiprocessors
+ * idle for a whole tile's time (_cuda.py gemm) */
+MB_GEMM_KERNEL(mb_gemm_tail_k, 8, 32, 64, 32, 32, 4, 8, false)
+MB_GEMM_KERNEL(mb_gemm_tail_res_k, 8, 32, 64, 32, 32, 4, 8, true)
+#undef MB_GEMM_KERNEL
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X
  * (grid y), and thread (warp m, lane n) walks the chain of output (m, n) alone, so
