@@ -67,9 +67,8 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
             }
             const bool core = __syncthreads_and(in_range);
             auto advance = [&](auto exp) {
-                auto step = [&](int i) {
-                    const float dl = sdl[k][i];
-                    hn = fmaf(exp(dl * a), hn, (dl * sB[i][n]) * su[k][i]);
+                auto step = [&](int i, float dA) { /* token i, dA = exp(delta * A) */
+                    hn = fmaf(dA, hn, (sdl[k][i] * sB[i][n]) * su[k][i]);
                     hs[k][i][n] = hn;
                 };
                 /* a whole group takes its exps first, as independent chains that
@@ -80,15 +79,11 @@ MB_DEV void scan1(int64_t B, const int64_t *off, int64_t di, int64_t R, const fl
 #pragma unroll
                     for (int i = 0; i < SG; i++) e[i] = exp(sdl[k][i] * a);
 #pragma unroll
-                    for (int i = 0; i < SG; i++) {
-                        const float dl = sdl[k][i];
-                        hn = fmaf(e[i], hn, (dl * sB[i][n]) * su[k][i]);
-                        hs[k][i][n] = hn;
-                    }
+                    for (int i = 0; i < SG; i++) step(i, e[i]);
                 } else {
 #pragma unroll
                     for (int i = 0; i < SG; i++)
-                        if (i < ng) step(i);
+                        if (i < ng) step(i, exp(sdl[k][i] * a));
                 }
             };
             if (core)
