@@ -216,6 +216,13 @@ enum {
     MB_MATH_EXPCORE, /* mb_exp_core, for x in [MB_EXP_LO, 0] */
     MB_MATH_COUNT
 };
+/* The scalar ones as X(code, numerics.h function): probe.c evaluates them on the CPU,
+ * backends/kernels/math.cu on a GPU. */
+#define MB_MATH_SCALARS(X)                                                            \
+    X(MB_MATH_EXP, mb_exp) X(MB_MATH_LOG1P, mb_log1p) X(MB_MATH_SOFTPLUS, mb_softplus)  \
+    X(MB_MATH_SIGMOID, mb_sigmoid) X(MB_MATH_SILU, mb_silu) X(MB_MATH_SQRT, mb_sqrt)    \
+    X(MB_MATH_RSQRT, mb_rsqrt) X(MB_MATH_TANH, mb_tanh) X(MB_MATH_SIN, mb_sin)          \
+    X(MB_MATH_COS, mb_cos) X(MB_MATH_MOD2PI, mb_mod2pi) X(MB_MATH_EXPCORE, mb_exp_core)
 int mb_math_eval(int which, int64_t n, const float *x, float *y);
 float mb_dot_eval(int64_t k, const float *a, const float *b);
 

@@ -15,23 +15,15 @@
 
 int MB_ISA_FN(mb_math_eval)(int which, int64_t n, const float *x, float *y)
 {
+#define CASE(code, fn)                                                                \
+    case code: EVAL(fn);
     switch (which) {
-    case MB_MATH_EXP: EVAL(mb_exp);
-    case MB_MATH_LOG1P: EVAL(mb_log1p);
-    case MB_MATH_SOFTPLUS: EVAL(mb_softplus);
-    case MB_MATH_SIGMOID: EVAL(mb_sigmoid);
-    case MB_MATH_SILU: EVAL(mb_silu);
-    case MB_MATH_SQRT: EVAL(mb_sqrt);
-    case MB_MATH_RSQRT: EVAL(mb_rsqrt);
-    case MB_MATH_TANH: EVAL(mb_tanh);
-    case MB_MATH_SIN: EVAL(mb_sin);
-    case MB_MATH_COS: EVAL(mb_cos);
-    case MB_MATH_MOD2PI: EVAL(mb_mod2pi);
+    MB_MATH_SCALARS(CASE)
     case MB_MATH_VEXP: VEVAL(mb_vexp);
     case MB_MATH_VSILU: VEVAL(mb_vsilu);
-    case MB_MATH_EXPCORE: EVAL(mb_exp_core);
     default: return -1;
     }
+#undef CASE
     return 0;
 }
 

@@ -22,9 +22,9 @@ from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
-                          frees_during_capture, gemm_tails, host, math_matches_reference, norm_gemv, poisoned,
-                          refusals_after_launch, rmsnorm_rows, scan_exp_ranges, ssd_session_graph,
-                          state_of)
+                          frees_during_capture, gemm_tails, host, math_matches_reference,
+                          norm_gemv, poisoned, refusals_after_launch, rmsnorm_rows,
+                          scan_exp_ranges, ssd_session_graph, state_of)
 
 
 
@@ -400,9 +400,11 @@ def test_session_guard_in_or_before_the_norm(be, monkeypatch, name, B):
 
 @pytest.mark.parametrize("M,N,K", [(2, 20, 8193), (2, 20, 3 * 8192 + 5), (20, 20, 2 * 8192),
                                    (130, 20, 8193), (129, 257, 13), (65, 50, 700),
-                                   (9, 40, 129), (65, 161, 9), (70, 130, 21)])
+                                   (9, 40, 129), (65, 161, 9), (70, 130, 21), (65, 161, 8200),
+                                   (65, 130, 8200)])
 def test_gemm(be, M, N, K):
-    """The GEMV (M <= 64) and tiled paths, their tile edges and dot v1's leaves."""
+    """The GEMV (M <= 64) and tiled paths (wide and narrow), their tile edges and dot
+    v1's leaves."""
     X, W = rand((M, K), M), rand((N, K), N)
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
 

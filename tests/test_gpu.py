@@ -18,8 +18,8 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture,
-                          gemm_tails, math_matches_reference, norm_gemv, refusals_after_launch, rmsnorm_rows,
-                          scan_exp_ranges, ssd_session_graph)
+                          gemm_tails, math_matches_reference, norm_gemv, refusals_after_launch,
+                          rmsnorm_rows, scan_exp_ranges, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -272,12 +272,12 @@ def test_math_matches_reference(be):
 
 @pytest.mark.gpu
 def test_gemm_tiles_match_reference(be):
-    """Edges of the GEMM's 128 x 256 tile and of the narrow tiles (N up to 96 and 160), of
-    the GEMV's 32-column and 8-row blocks and of its M <= 64 range, and a K that is not a
-    multiple of the k step."""
+    """Edges of the GEMM's 128 x 256 tile and of the narrow tiles (N up to 96 and 160), both
+    also with two leaves (K > 8192), of the GEMV's 32-column and 8-row blocks and of its
+    M <= 64 range, and a K that is not a multiple of the k step."""
     for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (8, 33, 300), (9, 40, 129),
                     (64, 50, 700), (65, 50, 700), (3, 97, 2050), (130, 160, 300),
-                    (65, 161, 9)]:
+                    (65, 161, 9), (200, 300, 8200), (70, 130, 8200)]:
         X, W = rand((M, K), M), rand((N, K), N)
         assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K)), (M, N, K)
 
