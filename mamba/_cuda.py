@@ -50,6 +50,8 @@ GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: 
 GUARD_LOADS = 8                                    # finite.cu: loads in flight a thread
 TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
 TF32_SMEM = 4 * 3 * (TF32_BM + TF32_BN) * (32 + 4)  # TB_STAGES stages of padded rows
+WGMMA_BM, WGMMA_BN, WGMMA_THREADS = 128, 256, 384  # wgmma.cu mb_fast_wgmma_k: WG_BM, WG_BN
+WGMMA_SMEM = 4 * (WGMMA_BM + WGMMA_BN) * 32 * 4 + 1024 + 64  # WG_STAGES stages, align, barriers
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
@@ -271,6 +273,11 @@ class _M1Buffers:
         self.parts = alloc(parts) if parts else 0
 
 
+class _TensorMap(ctypes.Structure):
+    """A CUtensorMap's 128 bytes, as a kernel parameter (wgmma.cu mb_tmap)."""
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
 def _ptr(a):
     return a.ptr if isinstance(a, _core.Array) else a
 
@@ -295,6 +302,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     stages = 4  # the cp.async rings' stages: vendor.h MB_STAGES for this vendor
     gemv_kc = 256  # terms per stage of mb_gemv_k: vendor.h MB_GEMV_KC
     tensor_cores = True  # fast.cu's TF32 GEMM is in the module (NVIDIA only)
+    wgmma = False  # wgmma.cu's TF32 GEMM is in the module (its sm_90a code, on a Hopper GPU)
     smem_optin = 160 * 1024  # the most dynamic shared memory a kernel here asks for (sm_80: 163 KiB)
 
     @property
@@ -335,7 +343,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         err, mod = cu.cuModuleLoadData(image)
         if err == cu.CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU:
             raise CudaError(f"the kernels have no binary for this GPU ({name}, sm_{major}{minor}; "
-                            "built for sm_80, sm_90 and compute_90 PTX)")
+                            "built for sm_80, sm_90a and compute_90 PTX)")
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"the kernel module did not load on {name}: {_err_name(cu, err)}")
         self.mod = mod
@@ -343,6 +351,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         big = {"mb_gemv_k": self.smem_optin, "mb_rms_k": self.norm_smem, "mb_fast_gemm_k": TF32_SMEM}
         for k, smem in big.items():
             self._allow_smem(k, smem)
+        err, fn = cu.cuModuleGetFunction(mod, b"mb_fast_wgmma_k")
+        if err == cu.CUresult.CUDA_SUCCESS:
+            self.fn["mb_fast_wgmma_k"], self.wgmma = fn, True
+            self._allow_smem("mb_fast_wgmma_k", WGMMA_SMEM)
         props = cu.CUmemPoolProps()
         props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -644,7 +656,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
         blocks; a narrow N a tile that covers it. fast: TF32 tensor cores (where the
-        backend has them, else the identical GEMM); up to 8 rows the split-K GEMV, up
+        backend has them, else the identical GEMM): wgmma.cu's on Hopper where X and W
+        are rows of 16-byte units, else fast.cu's; up to 8 rows the split-K GEMV, up
         to 64 the chain GEMV."""
         if M == 0 or N == 0:
             return
@@ -660,6 +673,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if fast and M <= FAST_GEMV_MAX_M:
             self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
                          M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard, *epi)
+        elif (fast and M > GEMV_MAX_M and self.wgmma and K % 4 == ldx % 4 == ldw % 4 == 0
+              and (_ptr(X) | _ptr(W)) % 16 == 0):  # TMA reads rows of 16-byte units
+            assert not guard
+            self._launch(s, "mb_fast_wgmma_k", (_cdiv(M, WGMMA_BM) * _cdiv(N, WGMMA_BN),),
+                         WGMMA_THREADS, M, N, K, self._tmap(X, M, K, ldx, WGMMA_BM),
+                         self._tmap(W, N, K, ldw, WGMMA_BN), Y, ldy, res, ldy, smem=WGMMA_SMEM)
         elif fast and M > GEMV_MAX_M and self.tensor_cores:
             assert not guard
             self._launch(s, "mb_fast_gemm_k", (_cdiv(N, TF32_BN), _cdiv(M, TF32_BM)),
@@ -673,6 +692,23 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, self.kname("conv_step_k", fast),
                          (self._grid(M * C),), THREADS, M, C, _ptr(Y) + 4 * c0, ldy, window, w,
                          bias, u, ldu, cguard)
+
+    def _tmap(self, a, rows, K, ld, box):
+        """The TMA tensor map of a rows x K float32 matrix at a (ld floats apart) read
+        as TF32 (rounded to nearest as it is copied), in boxes of box rows x 32 terms with
+        the 128-byte swizzle (wgmma.cu)."""
+        cu = self.cu
+        u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+        tm = self._ck(cu.cuTensorMapEncodeTiled(
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_TFLOAT32, 2, _ptr(a), [u64(K), u64(rows)],
+            [u64(4 * ld)], [u32(32), u32(box)], [u32(1), u32(1)],
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+        out = _TensorMap()
+        ctypes.memmove(ctypes.addressof(out), tm.getPtr(), ctypes.sizeof(out))
+        return out
 
     def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm=0,
                      host=0):

@@ -85,11 +85,44 @@ def test_fast_gemm_within_bound(backend):
     be = _backends._get("cuda")[0]
     rng = np.random.default_rng(3)
     for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (130, 96, 2048),
-                    (3, 40, 129), (64, 33, 300), (65, 8, 4)]:
+                    (3, 40, 129), (64, 33, 300), (65, 8, 4), (300, 520, 132)]:
         X = rng.standard_normal((M, K)).astype(np.float32)
         W = rng.standard_normal((N, K)).astype(np.float32)
         Y = np.asarray(be._gemm(mamba.asarray(X), mamba.asarray(W), M, N, K, fast=True))
         assert rel(Y, X.astype(np.float64) @ W.astype(np.float64).T) <= FAST_BOUND, (M, N, K)
+
+
+def tf32(a):
+    """a rounded to TF32 (10 mantissa bits) to nearest, ties away from zero."""
+    b = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "cuda"])
+def test_fast_wgmma_rounds_operands(backend):
+    """On Hopper, fast mode's projections take wgmma.cu's kernel: its result equals
+    the exact product of the operands rounded to TF32 to nearest, up to fp32
+    accumulation (about 5e-6 at K 2048; truncated operands, which wgmma alone would
+    read, miss by about 5e-4), at tile edges, past K's 32-term slices and with the residual; repeated calls
+    give the same bits."""
+    be = _backends._get("cuda")[0]
+    if "sm_90" not in be.description:
+        pytest.skip("wgmma.cu's kernel runs on sm_90 (Hopper) only")
+    assert be.wgmma, "the module's sm_90a code lacks mb_fast_wgmma_k"
+    rng = np.random.default_rng(9)
+    for M, N, K in [(65, 8, 4), (300, 520, 132), (1000, 256, 2048), (129, 300, 36)]:
+        X = rng.standard_normal((M, K)).astype(np.float32)
+        W = rng.standard_normal((N, K)).astype(np.float32)
+        R = rng.standard_normal((M, N)).astype(np.float32)
+        exact = tf32(X).astype(np.float64) @ tf32(W).astype(np.float64).T
+        for res in (None, R):
+            Y = np.asarray(be._gemm(mamba.asarray(X), mamba.asarray(W), M, N, K, fast=True,
+                                    res=None if res is None else mamba.asarray(res)))
+            want = exact + (0 if res is None else R)
+            assert rel(Y, want) <= 5e-5, (M, N, K, res is None)
+            again = be._gemm(mamba.asarray(X), mamba.asarray(W), M, N, K, fast=True,
+                             res=None if res is None else mamba.asarray(res))
+            assert bytes(memoryview(again)) == Y.tobytes(), (M, N, K)
 
 
 @pytest.mark.parametrize("name,backend", CASES)

@@ -33,6 +33,24 @@
 #define TB_STAGES 3
 #define TB_THREADS (32 * TB_WM * TB_WN)
 
+/* Outputs (m, n) and (m, n + 1) of a tensor-core tile, those inside M x N, plus res
+ * when given; pair: Y and res take 8-byte stores and loads there. */
+MB_DEV void mb_put_pair(float *Y, int64_t ldy, const float *res, int64_t ldr, int64_t M, int64_t N,
+                        int64_t m, int64_t n, float v0, float v1, bool pair)
+{
+    if (m >= M || n >= N) return;
+    if (res) {
+        v0 = res[m * ldr + n] + v0;
+        if (n + 1 < N) v1 = res[m * ldr + n + 1] + v1;
+    }
+    if (pair && n + 1 < N) {
+        *(float2 *)(Y + m * ldy + n) = make_float2(v0, v1);
+    } else {
+        Y[m * ldy + n] = v0;
+        if (n + 1 < N) Y[m * ldy + n + 1] = v1;
+    }
+}
+
 #if defined(MB_MMA)
 /* Four consecutive terms of a staged row, as TF32 operands. */
 MB_DEV void mb_tf32x4(uint32_t v[4], const float *p)
@@ -124,18 +142,7 @@ mb_fast_gemm_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
             for (int e = 0; e < 4; e += 2) {
                 const int64_t m = m0 + wm * 16 * TB_MI + i * 16 + g + (e ? 8 : 0);
                 const int64_t n = n0 + wn * 8 * TB_NJ + j * 8 + 2 * t4;
-                if (m >= M || n >= N) continue;
-                float v0 = acc[i][j][e], v1 = acc[i][j][e + 1];
-                if (res) {
-                    v0 = res[m * ldr + n] + v0;
-                    if (n + 1 < N) v1 = res[m * ldr + n + 1] + v1;
-                }
-                if (pair && n + 1 < N) {
-                    *(float2 *)(Y + m * ldy + n) = make_float2(v0, v1);
-                } else {
-                    Y[m * ldy + n] = v0;
-                    if (n + 1 < N) Y[m * ldy + n + 1] = v1;
-                }
+                mb_put_pair(Y, ldy, res, ldr, M, N, m, n, acc[i][j][e], acc[i][j][e + 1], pair);
             }
 }
 #endif

@@ -9,6 +9,7 @@
 #include "rows.cu"
 #include "copy.cu"
 #include "fast.cu"
+#include "wgmma.cu" /* after fast.cu, whose epilogue it shares */
 #include "ssd2.cu"
 #include "ssd3.cu"
 #include "ssd_step.cu"

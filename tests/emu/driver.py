@@ -113,7 +113,9 @@ class Driver:
         return OK + (1,)
 
     def cuModuleGetFunction(self, mod, name):
-        # a kernel this build lacks (fast.cu's TF32 GEMM is CUDA-only) fails at launch
+        # as the driver does for a kernel the module lacks (wgmma.cu's is sm_90a-only)
+        if name.decode() not in self.kernels:
+            return (CUresult.CUDA_ERROR_NOT_FOUND, None)
         return OK + (name.decode(),)
 
     def cuFuncSetAttribute(self, fn, attr, value):
