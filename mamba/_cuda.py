@@ -67,14 +67,14 @@ KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
            "mb_fast_gemm_k", "mb_fast_gemv_k", "mb_fast_rmsnorm_k", "mb_fast_conv_silu_k",
-           "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_fast_scan1p_k", "mb_math_k")
+           "mb_fast_conv_step_k", "mb_fast_scan1p_k", "mb_math_k")
 # Kernels that pass MB_GRID_WAIT() (vendor.h) in every thread: in a session's graph
 # each launches as a programmatic dependent of the kernel before it, so it starts
 # (and stages its weights) while that one runs.
 WAITS = frozenset((
     "mb_step_guard_k", "mb_rms_k", "mb_rms_scale_k", "mb_gemv_k", "mb_dot_fold_k",
     "mb_conv_step_k", "mb_scan1_k", "mb_fast_rmsnorm_k", "mb_fast_gemv_k",
-    "mb_fast_conv_step_k", "mb_fast_scan1_k", "mb_ssd_put_k", "mb_m2_fold_k",
+    "mb_fast_conv_step_k", "mb_ssd_put_k", "mb_m2_fold_k",
     "mb_m2_step_cb_k", "mb_m2_step_y_k",
     "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_fold_k", "mb_m3_pending_k",
     "mb_m3_step_k"))
@@ -896,11 +896,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         gated output), state h updated in place; vecs: (dt_proj's bias, A_log, D)."""
         dt_b, A_log, D = vecs
         # a fast prefill wide enough to give each multiprocessor about 12 warps of the
-        # four-states-a-lane scan (each walks its tokens' chain alone) takes it
+        # four-states-a-lane scan (each walks its tokens' chain alone) takes it, other
+        # fast calls the identical scan (scan1.cu)
         wide = fast and L > 1 and B * di >= 96 * self.sms
-        ch, lanes, name = ((SCAN_P_CHANNELS, 4, "scan1p_k") if wide else
-                           (SCAN_CHANNELS, 16, "scan1_k"))
-        self._launch(s, self.kname(name, fast), (_cdiv(di, ch), min(B, 65535)),
+        ch, lanes, name = ((SCAN_P_CHANNELS, 4, "mb_fast_scan1p_k") if wide else
+                           (SCAN_CHANNELS, 16, "mb_scan1_k"))
+        self._launch(s, name, (_cdiv(di, ch), min(B, 65535)),
                      lanes * ch, B, off, di, R, dtp, dt_b, u, xz, xdbl, A_log, D, h, yi, guard)
 
     def _back(self, s, B, L, dm, di, M, off, yg, out_proj, xd, xn, yd, parts, fast, guard=0,

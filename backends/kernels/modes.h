@@ -9,15 +9,12 @@
 
 struct mb_identical {
     static __device__ __forceinline__ float exp(float x) { return mb_exp(x); }
-    /* x known to lie in [MB_EXP_LO, 0] (numerics.h) */
-    static __device__ __forceinline__ float exp_core(float x) { return mb_exp_core(x); }
     static __device__ __forceinline__ float softplus(float x) { return mb_softplus(x); }
     static __device__ __forceinline__ float silu(float x) { return mb_silu(x); }
 };
 
 struct mb_fast {
     static __device__ __forceinline__ float exp(float x) { return __expf(x); }
-    static __device__ __forceinline__ float exp_core(float x) { return __expf(x); }
     /* log1pf keeps softplus accurate where exp(x) is tiny (delta near 0). */
     static __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
     static __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
