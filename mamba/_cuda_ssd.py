@@ -7,8 +7,9 @@ every chunk in parallel, runs the state pass serially over each row's chunks, an
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
-and the conv on the fast kernels; the output kernels take the tensor cores
-(mb_fast_m2_y_k, mb_fast_m3_y_k), the other chunk kernels are the identical ones.
+and the conv on the fast kernels; the output kernels and Mamba-2's chunk contraction
+take the tensor cores (mb_fast_m2_y_k, mb_fast_m3_y_k, mb_fast_m2_fold_k), the other
+chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -178,8 +179,9 @@ class SsdMixin:
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
         y_k = self.kname("m2_y_k", fast and self.tensor_cores)
+        fold_k = self.kname("m2_fold_k", fast and self.tensor_cores)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m2_prep_k", "mb_m2_g_k", "mb_m2_fold_k", y_k)
+                     "mb_m2_prep_k", "mb_m2_g_k", fold_k, y_k)
         self._enter()
         st = self.stream()
         s = st.cu
@@ -228,7 +230,7 @@ class SsdMixin:
             self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
-            self._launch(s, "mb_m2_fold_k", (NC, H), FOLD_THREADS,
+            self._launch(s, fold_k, (NC, H), FOLD_THREADS,
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)

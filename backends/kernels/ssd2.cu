@@ -81,14 +81,15 @@ mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
  * fold flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports,
  * chunk c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
  * S's terms are (B_j[m] * dec_j) (x_j[p] * dt_j), each product rounded once as in
- * block2.c. */
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
-mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U,
-             const float *dt, const float *cs, const float *hin, float *out, float *E)
+ * block2.c. TC (mb_fast_m2_fold_k): the contraction on the tensor cores. */
+#define M2_FOLD_PARAMS                                                                      \
+    const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *dt,  \
+        const float *cs, const float *hin, float *out, float *E
+template <bool TC> MB_DEV void m2_fold(M2_FOLD_PARAMS)
 {
-    MB_GRID_WAIT();
     __shared__ float dec[M2Q];
-    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
+    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS + SSD_FOLD_PAD(TC)];
+    __shared__ __align__(16) float sB[SSD_FJ][SSD_HP + SSD_FOLD_PAD(TC)];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
@@ -101,11 +102,24 @@ mb_m2_fold_k(const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float
     for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    ssd_fold(n, [&](int64_t j, int m) { return u[j * CD + di + m] * dec[j]; },
-             [&](int64_t j, int p) { return u[j * CD + h * SSD_HP + p] * dtc[j]; },
-             [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
+    ssd_fold<TC>(n, [&](int64_t j, int m) { return u[j * CD + di + m] * dec[j]; },
+                 [&](int64_t j, int p) { return u[j * CD + h * SSD_HP + p] * dtc[j]; },
+                 [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
+
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
+{
+    MB_GRID_WAIT();
+    m2_fold<false>(desc, H, di, CD, U, dt, cs, hin, out, E);
+}
+
+#if defined(MB_MMA)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARAMS)
+{
+    m2_fold<true>(desc, H, di, CD, U, dt, cs, hin, out, E);
+}
+#endif
 
 /* Block (head h, chunk c), SSD_UT threads; the chunk's rows in tiles of 64, each
  * tile's outputs in registers (ssd.cu's 64 x 64 tiles, columns p):
