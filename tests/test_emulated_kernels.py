@@ -487,13 +487,14 @@ def test_fast_mode_is_close(be, name):
     """numeric_mode="fast" (its own kernels: shuffle reductions, hardware exp) stays
     within fast mode's error bound of the identical results, for a prefill of a few
     tokens (the split-K GEMV), decode steps and a prefill past the GEMV's rows (the
-    TF32 GEMM on the emulated tensor cores)."""
+    TF32 GEMM on the emulated tensor cores) and past a Mamba-2 chunk (its fast fold's
+    ring of stages over 256 rows)."""
     cpu = make(name, backend="cpu")
     fast = make(name, backend="cuda", numeric_mode="fast")
     x = rand((2, 6, cpu.d_model), 12)
     st_c, st_f = cpu.allocate_state(2), fast.allocate_state(2)
     pairs = [(cpu.forward(time_slice(x, 0, 4), st_c), fast.forward(time_slice(x, 0, 4), st_f))]
-    long = rand((2, 40, cpu.d_model), 13)
+    long = rand((2, 300, cpu.d_model), 13)
     pairs.append((cpu.forward(long), fast.forward(long)))
     pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
               for t in (4, 5)]

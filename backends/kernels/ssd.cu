@@ -397,44 +397,14 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 #define SSD_FOLD_THREADS 256
 #define SSD_FJ 32 /* chunk rows staged per step of a fold */
 
-/* ssd_fold's product on the tensor cores: acc[r][q], r < 4, q < 8, is accumulator
- * q % 4 of the product at columns 8 (4 (q / 4) + r) (ssd_fold's layout). */
-MB_DEV void ssd_fold_tc(float (&acc)[4][8], const float (*sA)[SSD_NS + 4],
-                        const float (*sB)[SSD_HP + 4], int nj);
-#if defined(MB_MMA)
-MB_DEV void ssd_fold_tc(float (&acc)[4][8], const float (*sA)[SSD_NS + 4],
-                        const float (*sB)[SSD_HP + 4], int nj)
-{
-    const int t = threadIdx.x, g = t % 32 / 4, w = t / 32, p = 16 * (w % 4) + g;
-    const int m = 64 * (w / 4) + g;
-#pragma unroll
-    for (int k = 0; k < SSD_FJ; k += 8) {
-        const int kl = k + 2 * (t % 4), kh = kl + 1;
-        const bool l = kl < nj, h = kh < nj;
-        const uint32_t a0 = mb_tf32(l ? sB[kl][p] : 0.0f), a1 = mb_tf32(l ? sB[kl][p + 8] : 0.0f);
-        const uint32_t a2 = mb_tf32(h ? sB[kh][p] : 0.0f), a3 = mb_tf32(h ? sB[kh][p + 8] : 0.0f);
-#pragma unroll
-        for (int c = 0; c < 8; c++)
-            mb_mma_tf32(&acc[c % 4][4 * (c / 4)], a0, a1, a2, a3,
-                        mb_tf32(l ? sA[kl][m + 8 * c] : 0.0f), mb_tf32(h ? sA[kh][m + 8 * c] : 0.0f));
-    }
-}
-#endif
-
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
  * (one fmaf each, from +0): both factors of SSD_FJ rows are staged in shared memory
  * at a time (16-byte aligned), each formed once. Virtual thread u of
  * SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8) + (0..3), + 32 +
  * (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a thread. Writes
- * out(e, S) for e = p * SSD_NS + m. The caller's block shares sA, sB, whose rows
- * are SSD_FOLD_PAD(TC) longer.
- * TC (fast mode, T = SSD_FOLD_THREADS): S as m16n8k8 TF32 products, warp w owning
- * p = 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63); term t (t + 4) of a step of
- * 8 is row 2 t (+ 1), which the padding keeps on distinct banks. */
-#define SSD_FOLD_PAD(TC) ((TC) ? 4 : 0)
-template <bool TC = false, int T = SSD_FOLD_THREADS, class FA, class FB, class Out>
-MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS + SSD_FOLD_PAD(TC)],
-                     float (*sB)[SSD_HP + SSD_FOLD_PAD(TC)])
+ * out(e, S) for e = p * SSD_NS + m. The caller's block shares sA, sB. */
+template <int T = SSD_FOLD_THREADS, class FA, class FB, class Out>
+MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
     constexpr int V = SSD_FOLD_THREADS / T;
     float acc[V][4][8];
@@ -452,30 +422,21 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS + SSD_FO
         for (int e = threadIdx.x; e < nj * SSD_HP; e += T)
             sB[e / SSD_HP][e % SSD_HP] = b(j0 + e / SSD_HP, e % SSD_HP);
         __syncthreads();
-        if constexpr (TC) {
-            ssd_fold_tc(acc[0], sA, sB, nj);
-        } else {
 #pragma unroll
-            for (int v = 0; v < V; v++) {
-                const int u = threadIdx.x + v * T;
-                ssd_mma<4, 4, 8, 32>(acc[v], &sA[0][4 * (u / 8)], SSD_NS, &sB[0][4 * (u % 8)],
-                                     SSD_HP, 0, nj);
-            }
+        for (int v = 0; v < V; v++) {
+            const int u = threadIdx.x + v * T;
+            ssd_mma<4, 4, 8, 32>(acc[v], &sA[0][4 * (u / 8)], SSD_NS, &sB[0][4 * (u % 8)], SSD_HP,
+                                 0, nj);
         }
     }
-    const int t = threadIdx.x, g = t % 32 / 4, t4 = t % 4, w = t / 32;
 #pragma unroll
     for (int v = 0; v < V; v++) {
-        const int u = t + v * T, m0 = 4 * (u / 8), p0 = 4 * (u % 8);
+        const int u = threadIdx.x + v * T, m0 = 4 * (u / 8), p0 = 4 * (u % 8);
 #pragma unroll
         for (int r = 0; r < 4; r++)
 #pragma unroll
-            for (int q = 0; q < 8; q++) {
-                /* TC: accumulator q % 4 of the product at columns 8 (4 (q / 4) + r) */
-                const int p = TC ? 16 * (w % 4) + g + 8 * (q % 4 / 2) : p0 + (q < 4 ? q : 28 + q);
-                const int m = TC ? 64 * (w / 4) + 8 * (4 * (q / 4) + r) + 2 * t4 + q % 2 : m0 + r;
-                out(p * SSD_NS + m, acc[v][r][q]);
-            }
+            for (int q = 0; q < 8; q++)
+                out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[v][r][q]);
     }
 }
 

@@ -230,9 +230,9 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs,
     __syncthreads();
     const float last = cs[n - 1], ex = mb_exp(last);
     if (t < n) dec[t] = mb_exp(last - cs[t]);
-    ssd_fold<false, T>(n, [&](int64_t j, int m) { return k(j, m) * sc[j]; },
-                       [&](int64_t j, int p) { return v(j, p) * dec[j]; },
-                       [&](int64_t e, float acc) { out(e, acc, ex); }, sA, sB);
+    ssd_fold<T>(n, [&](int64_t j, int m) { return k(j, m) * sc[j]; },
+                [&](int64_t j, int p) { return v(j, p) * dec[j]; },
+                [&](int64_t e, float acc) { out(e, acc, ex); }, sA, sB);
 }
 
 /* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
