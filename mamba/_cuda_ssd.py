@@ -26,6 +26,7 @@ M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
+M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
 S_GROUP = 1 << 26  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
@@ -235,7 +236,9 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
-            self._launch(s, y_k, (H, NC), TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+            fy = fast and self.tensor_cores  # fast: a block a 64-row tile (ssd2.cu)
+            self._launch(s, y_k, (H, NC, M2_Q // 64 if fy else 1),
+                         M2Y_THREADS if fy else TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, zx, NP, 0, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,

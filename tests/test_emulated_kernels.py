@@ -486,18 +486,20 @@ def test_norm_gemv(be, M, N, K):
 def test_fast_mode_is_close(be, name):
     """numeric_mode="fast" (its own kernels: shuffle reductions, hardware exp) stays
     within fast mode's error bound of the identical results, for a prefill of a few
-    tokens (the split-K GEMV), decode steps and a prefill past the GEMV's rows (the
-    TF32 GEMM on the emulated tensor cores) and past a Mamba-2 chunk (its fast fold's
-    ring of stages over 256 rows)."""
+    tokens (the split-K GEMV), a prefill that continues it (a chunk's rows before r0),
+    decode steps and a prefill past the GEMV's rows (the TF32 GEMM on the emulated
+    tensor cores) and past a Mamba-2 chunk (its fast fold's and output's stages over
+    256 rows)."""
     cpu = make(name, backend="cpu")
     fast = make(name, backend="cuda", numeric_mode="fast")
-    x = rand((2, 6, cpu.d_model), 12)
+    x = rand((2, 34, cpu.d_model), 12)
     st_c, st_f = cpu.allocate_state(2), fast.allocate_state(2)
-    pairs = [(cpu.forward(time_slice(x, 0, 4), st_c), fast.forward(time_slice(x, 0, 4), st_f))]
+    pairs = [(cpu.forward(time_slice(x, a, b), st_c), fast.forward(time_slice(x, a, b), st_f))
+             for a, b in ((0, 4), (4, 32))]  # the second continues the first's chunk
     long = rand((2, 300, cpu.d_model), 13)
     pairs.append((cpu.forward(long), fast.forward(long)))
     pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
-              for t in (4, 5)]
+              for t in (32, 33)]
     for want, got in pairs:
         err = rel_l2(floats(got), floats(want))
         assert err <= FAST_BOUND, f"{name} fast mode: relative L2 error {err:.2e}"

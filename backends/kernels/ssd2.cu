@@ -194,13 +194,12 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
  *   time, both in Ta);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
  *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
- *   token rows, NP apart); either output may be null.
- * TC (mb_fast_m2_y_k): the products on the tensor cores. */
+ *   token rows, NP apart); either output may be null. */
 #define M2_Y_PARAMS                                                                         \
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
         const float *zx, int64_t NP, float *yb, float *yg
-template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
     __shared__ float dAs[M2Q], dts[M2Q], segc[M2Q];
@@ -256,17 +255,14 @@ template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
             __syncthreads();
             if (out) {
                 if (j0 < i0)
-                    ssd_prod<TC>(acc, Ta, Tb, 0, nj);
+                    ssd_mma64(acc, Ta, Tb, 0, nj);
                 else
-                    ssd_prod_tri<TC>(acc, Ta, Tb, 0, nj, 1);
+                    ssd_mma64_tri(acc, Ta, Tb, 0, nj, 1);
             }
         }
         if (!out) continue;
         __syncthreads(); /* the last operands are consumed */
-        if constexpr (TC)
-            ssd_each<TC>([&](int r, int q, int i, int p) { Tb[i][p] = acc[r][q]; });
-        else
-            ssd_park(Tb, acc);
+        ssd_park(Tb, acc);
         ssd_zero(acc);
         for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
             __syncthreads(); /* the previous columns are consumed */
@@ -275,23 +271,17 @@ template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
             });
             ssd_stage_t<32>(Ta + 32, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
             __syncthreads();
-            ssd_prod<TC>(acc, Ta, Ta + 32, 0, 32);
+            ssd_mma64(acc, Ta, Ta + 32, 0, 32);
         }
         /* Y_diag + Y_off * exp(cs_i) parked in place, then the rows a float4 a thread
          * at a time (coalesced x, z and stores), + x * D and the gate */
-        if constexpr (TC) {
-            ssd_each<TC>([&](int r, int q, int i, int p) {
-                Tb[i][p] = Tb[i][p] + acc[r][q] * mb_exp(cs[ch * M2Q + i0 + i]);
-            });
-        } else {
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
-                const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
+        for (int r = 0; r < 8; r++) {
+            const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
 #pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
-                    *y = *y + acc[r][q] * e;
-                }
+            for (int q = 0; q < 8; q++) {
+                float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
+                *y = *y + acc[r][q] * e;
             }
         }
         __syncthreads();
@@ -321,8 +311,121 @@ template <bool TC> MB_DEV void m2_y(M2_Y_PARAMS)
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), m2_y_k, M2_Y_PARAMS, m2_y, desc, H, di, CD, U, G, dt, dA, cs,
-               hck, D, zx, NP, yb, yg)
+#if defined(MB_MMA)
+/* mb_m2_y_k in fast mode. Block (head h, chunk c, row tile z of 64 rows), M2Y_THREADS
+ * threads; warp w owns rows 16 (w % 4) + (0..15) and columns p = 32 (w / 4) + (0..31)
+ * of the tile, as m16n8k8 TF32 products over K slices of 32 terms copied as they are
+ * by cp.async into a ring of two stages (each a row-operand tile [64][M2Y_LD] and a
+ * column operand, [64][M2Y_LD] or [32][M2Y_LDX]):
+ *   4 slices of Y_off = C_i . h_prev (m = 32 s..+31), then the rows scaled by exp(cs_i);
+ *   Y_diag over j <= i: G_ij exp(cs_i - cs_j) and x_j dt_j formed as the fragments
+ *   are loaded (zero where j > i, i < r0 or either lies past n);
+ * then y = Y + x D, gated, into yb and yg as mb_m2_y_k writes them. */
+#define M2Y_THREADS 256
+#define M2Y_LD 36  /* 4 mod 32: a fragment's 32 lanes on distinct banks */
+#define M2Y_LDX 68
+MB_KERNEL void MB_BOUNDS(M2Y_THREADS) mb_fast_m2_y_k(M2_Y_PARAMS)
+{
+    __shared__ __align__(16) float sr[2][64][M2Y_LD], sc[2][64 * M2Y_LD];
+    __shared__ float css[M2Q], dts[M2Q];
+    const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, i0 = 64 * (int64_t)blockIdx.z;
+    if (i0 >= n || i0 + 64 <= r0) return; /* no outputs in this tile */
+    const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD, *hp = hck + ch * SSD_HP * SSD_NS;
+    const int t = threadIdx.x, lane = t % 32, w = t / 32, gq = lane / 4, t4 = lane % 4;
+    for (int64_t i = t; i < M2Q; i += M2Y_THREADS) {
+        css[i] = i < n ? cs[ch * M2Q + i] : 0.0f;
+        dts[i] = i < n ? dt[ch * M2Q + i] : 0.0f;
+    }
+    const int64_t jend = n < i0 + 64 ? n : i0 + 64; /* columns j < jend */
+    const int steps = 4 + (int)((jend + 31) / 32);
+    auto issue = [&](int st) {
+        float(*R)[M2Y_LD] = sr[st % 2];
+        float *Cl = sc[st % 2];
+        for (int e = t; e < 64 * 8; e += M2Y_THREADS) { /* 64 rows of 8 16-byte pieces */
+            const int r = e / 8, q = 4 * (e % 8);
+            const int64_t i = i0 + r;
+            if (st < 4) { /* C rows i0.., h rows p, columns m = 32 st + q */
+                const int m = 32 * st + q;
+                mb_cp_async16(&R[r][q], u + (i < n ? i : 0) * CD + di + SSD_NS + m, i < n ? 16 : 0);
+                mb_cp_async16(&Cl[r * M2Y_LD + q], hp + r * SSD_NS + m, 16);
+            } else { /* G rows i0.., columns j0 + q; x rows j0 + r / 2 */
+                const int64_t j0 = 32 * (int64_t)(st - 4);
+                mb_cp_async16(&R[r][q], g + (i < n ? i : 0) * M2Q + j0 + q, i < n ? 16 : 0);
+                const int64_t j = j0 + e / 16;
+                const int qx = 4 * (e % 16);
+                mb_cp_async16(&Cl[(e / 16) * M2Y_LDX + qx], u + (j < n ? j : 0) * CD + h * SSD_HP + qx,
+                              j < n ? 16 : 0);
+            }
+        }
+    };
+    issue(0);
+    mb_cp_commit();
+    const int ra = 16 * (w % 4) + gq, pb = 32 * (w / 4) + gq; /* fragment row, column */
+    const int64_t ia = i0 + ra, ib = ia + 8;
+    float acc[4][4] = {};
+    for (int st = 0; st < steps; st++) {
+        mb_cp_wait<0>();
+        __syncthreads(); /* stage st landed for all; the other slot is consumed */
+        if (st + 1 < steps) issue(st + 1);
+        mb_cp_commit();
+        const float(*R)[M2Y_LD] = sr[st % 2];
+        const float *Cl = sc[st % 2];
+        if (st == 4) { /* Y_off is complete: scale its rows */
+            const float ea = __expf(css[ia < n ? ia : 0]), eb = __expf(css[ib < n ? ib : 0]);
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[q][0] *= ea, acc[q][1] *= ea, acc[q][2] *= eb, acc[q][3] *= eb;
+        }
+        const int64_t j0 = 32 * (int64_t)(st - 4);
+#pragma unroll
+        for (int k = 0; k < 32; k += 8) {
+            const int kl = k + t4, kh = kl + 4;
+            float a[4] = {R[ra][kl], R[ra + 8][kl], R[ra][kh], R[ra + 8][kh]};
+            float b[2][4];
+            if (st < 4) {
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    b[0][q] = Cl[(pb + 8 * q) * M2Y_LD + kl], b[1][q] = Cl[(pb + 8 * q) * M2Y_LD + kh];
+            } else {
+                const int64_t jl = j0 + kl, jh = j0 + kh;
+                const bool ok[4] = {jl <= ia && ia >= r0 && ia < n, jl <= ib && ib >= r0 && ib < n,
+                                    jh <= ia && ia >= r0 && ia < n, jh <= ib && ib >= r0 && ib < n};
+                const float cl = css[jl < n ? jl : 0], chh = css[jh < n ? jh : 0];
+                const float ci[4] = {css[ia < n ? ia : 0], css[ib < n ? ib : 0], css[ia < n ? ia : 0],
+                                     css[ib < n ? ib : 0]};
+#pragma unroll
+                for (int e = 0; e < 4; e++) a[e] = ok[e] ? a[e] * __expf(ci[e] - (e < 2 ? cl : chh)) : 0.0f;
+                const float xl = dts[jl < n ? jl : 0], xh = dts[jh < n ? jh : 0];
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    b[0][q] = Cl[kl * M2Y_LDX + pb + 8 * q] * xl, b[1][q] = Cl[kh * M2Y_LDX + pb + 8 * q] * xh;
+            }
+            const uint32_t a0 = mb_tf32(a[0]), a1 = mb_tf32(a[1]), a2 = mb_tf32(a[2]), a3 = mb_tf32(a[3]);
+#pragma unroll
+            for (int q = 0; q < 4; q++) mb_mma_tf32(acc[q], a0, a1, a2, a3, mb_tf32(b[0][q]), mb_tf32(b[1][q]));
+        }
+    }
+    /* accumulator e of tile q: row ra + 8 (e / 2), column pb - gq + 8 q + 2 t4 + e % 2 */
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+        const int64_t i = e ? ib : ia;
+        if (i < r0 || i >= n) continue;
+        const int64_t tok = d[4] + i - r0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int p = pb - gq + 8 * q + 2 * t4;
+            const float *xr = u + i * CD + h * SSD_HP + p;
+            float y0 = acc[q][e] + xr[0] * D[h], y1 = acc[q][e + 1] + xr[1] * D[h];
+            if (yb) yb[tok * di + h * SSD_HP + p] = y0, yb[tok * di + h * SSD_HP + p + 1] = y1;
+            if (yg) {
+                const float *zr = zx + tok * NP + h * SSD_HP + p;
+                yg[tok * di + h * SSD_HP + p] = y0 * mb_silu(zr[0]);
+                yg[tok * di + h * SSD_HP + p + 1] = y1 * mb_silu(zr[1]);
+            }
+        }
+    }
+}
+#endif
 
 #undef M2Q
 #undef G_TILES
