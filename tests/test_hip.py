@@ -324,10 +324,11 @@ def test_requested_hip_raises_the_probe_reason(monkeypatch, built):
 # ------------------------------------------------------------------ shared driver calls
 def cuda_calls_reached_on_hip():
     """Every `cu.X[.Y]` chain in mamba/_cuda.py outside what HIP does itself (the
-    probe, and the CudaBackend methods HipBackend replaces without calling them) and
-    the programmatic dependent launch (HipBackend sets programmatic False)."""
+    probe, and the CudaBackend methods HipBackend replaces without calling them), the
+    programmatic dependent launch (HipBackend sets programmatic False) and the TMA
+    tensor maps of the wgmma GEMM (HipBackend's wgmma is False)."""
     own = {("probe",), ("CudaBackend", "__init__"), ("CudaBackend", "_enter"),
-           ("CudaBackend", "_launch_dependent")}
+           ("CudaBackend", "_launch_dependent"), ("CudaBackend", "_tmap")}
     tree = ast.parse(open(_cuda.__file__).read())
     calls = set()
 
