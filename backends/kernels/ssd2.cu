@@ -10,7 +10,8 @@
  *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block, and
  *                  (or) g = Y * silu(z).
  * Every sum is the C reference's serial chain, each output's own (the products in
- * ssd.cu's register tiles). */
+ * ssd.cu's register tiles). Fast mode's mb_fast_m2_fold_k and mb_fast_m2_y_k compute
+ * the same on the tensor cores, in any order. */
 #include "ssd.cu"
 
 #define M2Q 256
