@@ -498,6 +498,7 @@ def test_fast_mode_is_close(be, name):
              for a, b in ((0, 4), (4, 32))]  # the second continues the first's chunk
     long = rand((2, 300, cpu.d_model), 13)
     pairs.append((cpu.forward(long), fast.forward(long)))
+    pairs.append((cpu.forward(long, lengths=[300, 37]), fast.forward(long, lengths=[300, 37])))
     pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
               for t in (32, 33)]
     for want, got in pairs:

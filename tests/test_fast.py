@@ -57,6 +57,23 @@ def test_fast_forward_within_bound(name, backend, B, L):
 
 
 @pytest.mark.parametrize("name,backend", CASES)
+def test_fast_ragged_within_bound(name, backend):
+    """A ragged batch (lengths; the padding NaN, never read): each row within the
+    bound of its own float64 oracle, past a Mamba-2 chunk and under one."""
+    w = weights(name)
+    blk = BLOCKS[name]["cls"](w, numeric_mode="fast", backend=backend)
+    lens, L = [300, 70, 2], 300
+    x = np.random.default_rng(4).standard_normal((3, L, DM)).astype(np.float32)
+    xp = x.copy()
+    for b, n in enumerate(lens):
+        xp[b, n:] = np.nan
+    y = np.asarray(blk.forward(xp, lengths=lens))
+    for b, n in enumerate(lens):
+        row = np.ascontiguousarray(x[b:b + 1, :n])
+        check(y[b:b + 1, :n], row, oracle(name, w, row), f"{name} ragged row {b} {backend}")
+
+
+@pytest.mark.parametrize("name,backend", CASES)
 def test_fast_decode_within_bound(name, backend):
     """Prefill 40 tokens, then 8 steps and 8 session steps (through Mamba-3's chunk
     boundary at 64 when the prefill is 60), against the oracle's one prefill."""
