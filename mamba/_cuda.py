@@ -673,8 +673,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         if fast and M <= FAST_GEMV_MAX_M:
             self._launch(s, "mb_fast_gemv_k", (_cdiv(N, FAST_GEMV_ROWS),), FAST_THREADS,
                          M, N, K, X, ldx, W, ldw, Y, ldy, res, ldy, guard, *epi)
-        elif (fast and M > GEMV_MAX_M and self.wgmma and K % 4 == ldx % 4 == ldw % 4 == 0
-              and (_ptr(X) | _ptr(W)) % 16 == 0):  # TMA reads rows of 16-byte units
+        elif (fast and M > GEMV_MAX_M and self.wgmma and K > 0  # TMA: rows of 16-byte units
+              and K % 4 == ldx % 4 == ldw % 4 == 0 and (_ptr(X) | _ptr(W)) % 16 == 0):
             assert not guard
             self._launch(s, "mb_fast_wgmma_k", (_cdiv(M, WGMMA_BM) * _cdiv(N, WGMMA_BN),),
                          WGMMA_THREADS, M, N, K, self._tmap(X, M, K, ldx, WGMMA_BM),
