@@ -51,7 +51,9 @@ GUARD_LOADS = 8                                    # finite.cu: loads in flight 
 TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
 TF32_SMEM = 4 * 3 * (TF32_BM + TF32_BN) * (32 + 4)  # TB_STAGES stages of padded rows
 WGMMA_BM, WGMMA_BN, WGMMA_THREADS = 128, 256, 384  # wgmma.cu mb_fast_wgmma_k: WG_BM, WG_BN
-WGMMA_SMEM = 4 * (WGMMA_BM + WGMMA_BN) * 32 * 4 + 1024 + 64  # WG_STAGES stages, align, barriers
+WGMMA_STAGES, WGMMA_BK = 4, 32                      # wgmma.cu: WG_STAGES, WG_BK
+# the stages, 1 KiB to align them to the swizzle's atoms, a full and an empty barrier a stage
+WGMMA_SMEM = WGMMA_STAGES * ((WGMMA_BM + WGMMA_BN) * WGMMA_BK * 4 + 2 * 8) + 1024
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one

@@ -179,8 +179,8 @@ class SsdMixin:
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False):
-        y_k = self.kname("m2_y_k", fast and self.tensor_cores)
-        fold_k = self.kname("m2_fold_k", fast and self.tensor_cores)
+        tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd2.cu)
+        y_k, fold_k = self.kname("m2_y_k", tc), self.kname("m2_fold_k", tc)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m2_prep_k", "mb_m2_g_k", fold_k, y_k)
         self._enter()
@@ -236,9 +236,8 @@ class SsdMixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
-            fy = fast and self.tensor_cores  # fast: a block a 64-row tile (ssd2.cu)
-            self._launch(s, y_k, (H, NC, M2_Q // 64 if fy else 1),
-                         M2Y_THREADS if fy else TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+            self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
+                         M2Y_THREADS if tc else TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, zx, NP, 0, yg)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,

@@ -364,6 +364,8 @@ MB_KERNEL void MB_BOUNDS(M2Y_THREADS) mb_fast_m2_y_k(M2_Y_PARAMS)
     mb_cp_commit();
     const int ra = 16 * (w % 4) + gq, pb = 32 * (w / 4) + gq; /* fragment row, column */
     const int64_t ia = i0 + ra, ib = ia + 8;
+    const bool oa = ia >= r0 && ia < n, ob = ib >= r0 && ib < n; /* rows with outputs */
+    float ca = 0.0f, cb = 0.0f; /* cs of the rows, once css is seen (css, dts: +0 past n) */
     float acc[4][4] = {};
     for (int st = 0; st < steps; st++) {
         mb_cp_wait<0>();
@@ -373,7 +375,8 @@ MB_KERNEL void MB_BOUNDS(M2Y_THREADS) mb_fast_m2_y_k(M2_Y_PARAMS)
         const float(*R)[M2Y_LD] = sr[st % 2];
         const float *Cl = sc[st % 2];
         if (st == 4) { /* Y_off is complete: scale its rows */
-            const float ea = __expf(css[ia < n ? ia : 0]), eb = __expf(css[ib < n ? ib : 0]);
+            ca = css[ia], cb = css[ib];
+            const float ea = __expf(ca), eb = __expf(cb);
 #pragma unroll
             for (int q = 0; q < 4; q++) acc[q][0] *= ea, acc[q][1] *= ea, acc[q][2] *= eb, acc[q][3] *= eb;
         }
@@ -389,14 +392,11 @@ MB_KERNEL void MB_BOUNDS(M2Y_THREADS) mb_fast_m2_y_k(M2_Y_PARAMS)
                     b[0][q] = Cl[(pb + 8 * q) * M2Y_LD + kl], b[1][q] = Cl[(pb + 8 * q) * M2Y_LD + kh];
             } else {
                 const int64_t jl = j0 + kl, jh = j0 + kh;
-                const bool ok[4] = {jl <= ia && ia >= r0 && ia < n, jl <= ib && ib >= r0 && ib < n,
-                                    jh <= ia && ia >= r0 && ia < n, jh <= ib && ib >= r0 && ib < n};
-                const float cl = css[jl < n ? jl : 0], chh = css[jh < n ? jh : 0];
-                const float ci[4] = {css[ia < n ? ia : 0], css[ib < n ? ib : 0], css[ia < n ? ia : 0],
-                                     css[ib < n ? ib : 0]};
+                const bool ok[4] = {oa && jl <= ia, ob && jl <= ib, oa && jh <= ia, ob && jh <= ib};
+                const float ci[4] = {ca - css[jl], cb - css[jl], ca - css[jh], cb - css[jh]};
 #pragma unroll
-                for (int e = 0; e < 4; e++) a[e] = ok[e] ? a[e] * __expf(ci[e] - (e < 2 ? cl : chh)) : 0.0f;
-                const float xl = dts[jl < n ? jl : 0], xh = dts[jh < n ? jh : 0];
+                for (int e = 0; e < 4; e++) a[e] = ok[e] ? a[e] * __expf(ci[e]) : 0.0f;
+                const float xl = dts[jl], xh = dts[jh];
 #pragma unroll
                 for (int q = 0; q < 4; q++)
                     b[0][q] = Cl[kl * M2Y_LDX + pb + 8 * q] * xl, b[1][q] = Cl[kh * M2Y_LDX + pb + 8 * q] * xh;
@@ -410,7 +410,7 @@ MB_KERNEL void MB_BOUNDS(M2Y_THREADS) mb_fast_m2_y_k(M2_Y_PARAMS)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
         const int64_t i = e ? ib : ia;
-        if (i < r0 || i >= n) continue;
+        if (!(e ? ob : oa)) continue;
         const int64_t tok = d[4] + i - r0;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
