@@ -15,23 +15,23 @@ the activations for any number of backward calls (_cuda_grad.g_vjp).
 """
 from types import SimpleNamespace
 
-from ._cuda_ssd import FOLD_THREADS, HP, M3_Q, NA, NS, TILE_THREADS, _plan, _release, m3_dims
+from ._cuda_ssd import HP, M3_Q, NA, NS, _plan, _release, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
 F0_CHAINS = 4                            # back3.cu B3_F0W
 _TRI, _TILE = M3_Q * (M3_Q - 1) // 2, 16 * (M3_Q + 4)
 CHUNK_SMEM = 4 * (8 * M3_Q + M3_Q * (HP + 1) + 3 * _TRI + 3 * _TILE)  # back3.cu B3_SMEM
-_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k", "mb_m3_fold_k",
+_KERNELS = ("mb_ssd_put_k", "mb_ssd_chain_k", "mb_m3_prep_k",
             "mb_m3_angles_k", "mb_m3b_rotate_k", "mb_ssd_dchain_k", "mb_m3b_f0_k",
             "mb_m3b_theta_k", "mb_m3b_token_k", "mb_m3b_unrot_k", "mb_m3b_heads_k")
-_TWINS = ("m3_y_k", "m3b_sd_k", "m3b_chunk_k")  # and a tensor-core twin each (kname)
+_TWINS = ("m3b_sd_k", "m3b_chunk_k")  # and a tensor-core twin each (kname)
 
 
 class Back3Mixin:
     """CudaBackend's m3_backward and m3_vjp. fast: the block norm, every projection
-    (forward and backward), the forward's output kernel and the chunk backward's
-    products (Sd and the chunk pass) on fast mode's kernels, the rest as in identical
+    (forward and backward), the forward's chunk contraction and output kernels and
+    the chunk backward's products (Sd and the chunk pass) on fast mode's kernels, the rest as in identical
     mode."""
 
     def m3_backward(self, w, d_model, x, dy, gx, gw, fast=False):
@@ -56,6 +56,7 @@ class Back3Mixin:
         """(stages, pull) of GradMixin.g_backward for this call."""
         fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*_KERNELS, *(self.kname(k, fast) for k in _TWINS),
+                      *self.m3_chunk_kernels(fast),
                       smem={self.kname("m3b_chunk_k", fast): CHUNK_SMEM})
         self._enter()
         return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
@@ -103,12 +104,10 @@ class Back3Mixin:
         with _Scratch(self, st) as t:
             S, h0 = t(NC * H * per), t(B * H * per)
             self._fill32(s, h0, 0, B * H * per)
-            self._launch(s, "mb_m3_fold_k", (NC, H), FOLD_THREADS,
-                         I["desc"], H, K, V, DT, SIG, ADT, 0, S, Ec)
+            self.m3_fold(s, fast, NC, H, I["desc"], K, V, DT, SIG, ADT, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
-        self._launch(s, self.kname("m3_y_k", fast), (H, NC), TILE_THREADS,
-                     I["desc"], H, di, NP, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
+        self.m3_y(s, fast, NC, H, I["desc"], di, NP, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
         return SimpleNamespace(B=B, L=L, dm=dm, di=di, H=H, NP=NP, M=M, NC=NC, I=I, xd=xd,
                                xn=xn, zx=zx, Bn=Bn, Cn=Cn, Q=Q, K=K, DT=DT, SIG=SIG, ADT=ADT,
                                QKG=QKG, TA=TA, ANG=ANG, V=V, Ec=Ec, hck=hck, yg=yg)

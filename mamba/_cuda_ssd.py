@@ -8,8 +8,8 @@ stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
 and the conv on the fast kernels; the output kernels and Mamba-2's chunk contraction
-take the tensor cores (mb_fast_m2_y_k, mb_fast_m3_y_k, mb_fast_m2_fold_k), the other
-chunk kernels are the identical ones.
+take the tensor cores (mb_fast_m2_y_k, mb_fast_m2_fold_k, mb_fast_m3_y_k,
+mb_fast_m3_fold_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -27,6 +27,7 @@ DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
+M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
 S_GROUP = 1 << 26  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
@@ -311,10 +312,10 @@ class SsdMixin:
 
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False):
-        y_k = self.kname("m3_y_k", fast and self.tensor_cores)
+        tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd3.cu)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-                     "mb_m3_fold_k", y_k, "mb_m3_last_k")
+                     "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -374,12 +375,10 @@ class SsdMixin:
             S, Ec = sc(max(g[3] for g in plan.groups) * H * per), sc(NC * H)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, E0, cb = I["desc"] + 8 * DESC * c0, Ec + 4 * H * c0, I["gcbeg"] + 8 * at
-                self._launch(s, "mb_m3_fold_k", (nc, H), FOLD_THREADS,
-                             dsc, H, K, V, DT, SIG, ADT, 0, S, E0)
+                self.m3_fold(s, tc, nc, H, dsc, K, V, DT, SIG, ADT, S, E0)
                 self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                              nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
-                self._launch(s, y_k, (H, nc), TILE_THREADS, dsc, H, di, di, Q, K, V, DT,
-                             SIG, ADT, QKG, S, D, z, z)
+                self.m3_y(s, tc, nc, H, dsc, di, di, Q, K, V, DT, SIG, ADT, QKG, S, D, z, z)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
                          I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0)
@@ -393,6 +392,22 @@ class SsdMixin:
                        fast)
             self._finish(st, back)
         return buffered_tokens if lengths is not None else plan.counts[0]
+
+    @classmethod
+    def m3_chunk_kernels(cls, tc):
+        """The chunk contraction and output kernels of m3_fold and m3_y."""
+        return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
+
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E):
+        """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
+        tc: fast mode's tensor-core kernel."""
+        self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E)
+
+    def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg):
+        """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart)."""
+        self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
+                     desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

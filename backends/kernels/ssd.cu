@@ -254,85 +254,6 @@ MB_DEV void ssd_mma64_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const fl
                        lim + ssd_r(t));
 }
 
-/* Fast mode's tiles (TC, where MB_MMA is): warp w of the two owns rows 32 w..+31 as
- * 2 x 8 m16n8k8 TF32 products, acc[r][q] the accumulator q % 4 of the product at rows
- * 16 (q / 4) and columns 8 r (vendor.h's layout). Term t (t + 4) of a step of 8 is
- * k = 2 t (+ 1), which keeps a fragment's lanes on distinct banks (SSD_LD = 4 mod
- * 32). */
-template <bool TC> MB_DEV int ssd_row(int r, int q)
-{
-    const int t = threadIdx.x;
-    return TC ? 32 * (t / 32) + 16 * (q / 4) + t % 32 / 4 + 8 * (q % 4 / 2) : ssd_r(t) + r;
-}
-template <bool TC> MB_DEV int ssd_col(int r, int q)
-{
-    const int t = threadIdx.x;
-    return TC ? 8 * r + 2 * (t % 4) + q % 2 : ssd_cq(t, q);
-}
-
-/* f(r, q, i, j) for each accumulator (r, q) of a 64 x 64 tile, at row i, column j. */
-template <bool TC, class F> MB_DEV void ssd_each(F f)
-{
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-#pragma unroll
-        for (int q = 0; q < 8; q++) f(r, q, ssd_row<TC>(r, q), ssd_col<TC>(r, q));
-}
-
-/* Declared for every vendor; only fast mode's kernels, built where MB_MMA is, call it. */
-MB_DEV void ssd_tc(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
-                   int k0, int k1, int lim);
-#if defined(MB_MMA)
-/* acc += a[k][i] b[k][j] over k in [k0, k1), row i taking k only below lim + i, on
- * the tensor cores: terms outside are zeroed in the fragments (a staged tile may
- * hold anything there). */
-MB_DEV void ssd_tc(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
-                   int k0, int k1, int lim)
-{
-    const int t = threadIdx.x, g = t % 32 / 4, i0 = 32 * (t / 32) + g;
-    for (int k = k0; k < k1; k += 8) {
-        const int kl = k + 2 * (t % 4), kh = kl + 1;
-        uint32_t af[2][4];
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            const int i = i0 + 16 * u;
-            af[u][0] = mb_tf32(kl < k1 && kl < lim + i ? a[kl][i] : 0.0f);
-            af[u][1] = mb_tf32(kl < k1 && kl < lim + i + 8 ? a[kl][i + 8] : 0.0f);
-            af[u][2] = mb_tf32(kh < k1 && kh < lim + i ? a[kh][i] : 0.0f);
-            af[u][3] = mb_tf32(kh < k1 && kh < lim + i + 8 ? a[kh][i + 8] : 0.0f);
-        }
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const uint32_t b0 = mb_tf32(kl < k1 ? b[kl][8 * r + g] : 0.0f);
-            const uint32_t b1 = mb_tf32(kh < k1 ? b[kh][8 * r + g] : 0.0f);
-#pragma unroll
-            for (int u = 0; u < 2; u++)
-                mb_mma_tf32(&acc[r][4 * u], af[u][0], af[u][1], af[u][2], af[u][3], b0, b1);
-        }
-    }
-}
-#endif
-
-/* ssd_mma64 and ssd_mma64_tri in either schedule. */
-template <bool TC>
-MB_DEV void ssd_prod(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
-                     int k0, int k1)
-{
-    if constexpr (TC)
-        ssd_tc(acc, a, b, k0, k1, 1 << 30);
-    else
-        ssd_mma64(acc, a, b, k0, k1);
-}
-template <bool TC>
-MB_DEV void ssd_prod_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
-                         int k0, int k1, int lim)
-{
-    if constexpr (TC)
-        ssd_tc(acc, a, b, k0, k1, lim);
-    else
-        ssd_mma64_tri(acc, a, b, k0, k1, lim);
-}
-
 MB_DEV void ssd_zero(float (&acc)[8][8])
 {
 #pragma unroll
@@ -439,5 +360,73 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
                 out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[v][r][q]);
     }
 }
+
+#if defined(MB_MMA)
+/* Fast mode's chunk contraction (both blocks): o[p * SSD_NS + m] = sum over rows j < n
+ * of (km_j[m] fm_j) (vp_j[p] fp_j), km_j = km + j ldk (SSD_NS wide) and vp_j = vp + j
+ * ldv (SSD_HP wide) copied as they are by cp.async into a ring of SSDF_STAGES stages
+ * of SSDF_ROWS rows, the factors (shared, +0 from n to a whole stage) applied as the
+ * fragments are loaded, the products on m16n8k8 TF32 tiles: warp w of eight owns p =
+ * 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63). Term t (t + 4) of a step of 8 is
+ * row 2 t (+ 1), which the rows' padding keeps on distinct banks. Every thread of
+ * the block (SSD_FOLD_THREADS) calls it; fm and fp are published before its first
+ * barrier. */
+#define SSDF_ROWS 16
+#define SSDF_STAGES 3
+#define SSDF_LDK (SSD_NS + 4)
+#define SSDF_LDV (SSD_HP + 4)
+MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *vp, int64_t ldv,
+                          const float *fm, const float *fp, float *o)
+{
+    __shared__ __align__(16) float sk[SSDF_STAGES][SSDF_ROWS][SSDF_LDK];
+    __shared__ __align__(16) float sv[SSDF_STAGES][SSDF_ROWS][SSDF_LDV];
+    const int t = threadIdx.x;
+    const int steps = (int)((n + SSDF_ROWS - 1) / SSDF_ROWS);
+    auto issue = [&](int st) { /* rows past n are zero-filled */
+        constexpr int W = (SSD_NS + SSD_HP) / 4; /* 16-byte pieces a row */
+        for (int e = t; e < SSDF_ROWS * W; e += SSD_FOLD_THREADS) {
+            const int r = e / W, q = e % W;
+            const int64_t j = (int64_t)st * SSDF_ROWS + r, jc = j < n ? j : 0;
+            if (q < SSD_NS / 4)
+                mb_cp_async16(&sk[st % SSDF_STAGES][r][4 * q], km + jc * ldk + 4 * q, j < n ? 16 : 0);
+            else
+                mb_cp_async16(&sv[st % SSDF_STAGES][r][4 * q - SSD_NS], vp + jc * ldv + 4 * q - SSD_NS,
+                              j < n ? 16 : 0);
+        }
+    };
+    for (int st = 0; st < SSDF_STAGES - 1; st++) {
+        if (st < steps) issue(st);
+        mb_cp_commit();
+    }
+    const int g = t % 32 / 4, t4 = t % 4, w = t / 32, p = 16 * (w % 4) + g, m = 64 * (w / 4) + g;
+    float acc[8][4] = {};
+    for (int st = 0; st < steps; st++) {
+        mb_cp_wait<SSDF_STAGES - 2>();
+        __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
+        if (st + SSDF_STAGES - 1 < steps) issue(st + SSDF_STAGES - 1);
+        mb_cp_commit();
+        const float(*K)[SSDF_LDK] = sk[st % SSDF_STAGES];
+        const float(*V)[SSDF_LDV] = sv[st % SSDF_STAGES];
+#pragma unroll
+        for (int k = 0; k < SSDF_ROWS; k += 8) {
+            const int kl = k + 2 * t4, kh = kl + 1, jl = st * SSDF_ROWS + kl;
+            const float vl = fp[jl], vh = fp[jl + 1], ml = fm[jl], mh = fm[jl + 1];
+            const uint32_t a0 = mb_tf32(V[kl][p] * vl), a1 = mb_tf32(V[kl][p + 8] * vl);
+            const uint32_t a2 = mb_tf32(V[kh][p] * vh), a3 = mb_tf32(V[kh][p + 8] * vh);
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                mb_mma_tf32(acc[q], a0, a1, a2, a3, mb_tf32(K[kl][m + 8 * q] * ml),
+                            mb_tf32(K[kh][m + 8 * q] * mh));
+        }
+    }
+    mb_cp_wait<0>();
+    /* accumulator e of tile q: p + 8 (e / 2), m - g + 8 q + 2 t4 + e % 2 */
+#pragma unroll
+    for (int q = 0; q < 8; q++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            o[(p + 8 * (e / 2)) * SSD_NS + m - g + 8 * q + 2 * t4 + e % 2] = acc[q][e];
+}
+#endif
 
 #endif

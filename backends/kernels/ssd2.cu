@@ -110,77 +110,22 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
 }
 
 #if defined(MB_MMA)
-/* mb_m2_fold_k in fast mode (a forward's chunks, without hin): the rows of B and x
- * copied as they are by cp.async into a ring of M2F_STAGES stages of M2F_ROWS rows,
- * dec_j and dt_j applied as the fragments are loaded, S on m16n8k8 TF32 tiles: warp w
- * of eight owns p = 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63). Term t (t + 4)
- * of a step of 8 is row 2 t (+ 1), which the rows' padding keeps on distinct banks. */
-#define M2F_ROWS 16
-#define M2F_STAGES 3
-#define M2F_LDB (SSD_NS + 4)
-#define M2F_LDX (SSD_HP + 4)
+/* mb_m2_fold_k in fast mode (a forward's chunks, without hin): ssd_fast_fold of B's
+ * rows times dec_j and x's rows times dt_j. */
 MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARAMS)
 {
     __shared__ float dec[M2Q], dts[M2Q];
-    __shared__ __align__(16) float sb[M2F_STAGES][M2F_ROWS][M2F_LDB];
-    __shared__ __align__(16) float sx[M2F_STAGES][M2F_ROWS][M2F_LDX];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
-    const int t = threadIdx.x;
+    const int64_t e0 = d[1], n = d[2];
     if (!d[5] || n == 0) return;
     const float *csc = cs + ch * M2Q, *u = U + e0 * CD;
     const float last = csc[n - 1];
-    for (int64_t j = t; j < M2Q; j += SSD_FOLD_THREADS) { /* rows past n: no terms */
+    for (int64_t j = threadIdx.x; j < M2Q; j += SSD_FOLD_THREADS) { /* rows past n: no terms */
         dec[j] = j < n ? __expf(last - csc[j]) : 0.0f;
         dts[j] = j < n ? dt[ch * M2Q + j] : 0.0f;
     }
-    const int steps = (int)((n + M2F_ROWS - 1) / M2F_ROWS);
-    auto issue = [&](int st) { /* rows past n are zero-filled */
-        for (int e = t; e < M2F_ROWS * (SSD_NS + SSD_HP) / 4; e += SSD_FOLD_THREADS) {
-            const int r = e / ((SSD_NS + SSD_HP) / 4), q = e % ((SSD_NS + SSD_HP) / 4);
-            const int64_t j = (int64_t)st * M2F_ROWS + r;
-            const float *row = u + (j < n ? j : 0) * CD;
-            if (q < SSD_NS / 4)
-                mb_cp_async16(&sb[st % M2F_STAGES][r][4 * q], row + di + 4 * q, j < n ? 16 : 0);
-            else
-                mb_cp_async16(&sx[st % M2F_STAGES][r][4 * q - SSD_NS],
-                              row + h * SSD_HP + 4 * q - SSD_NS, j < n ? 16 : 0);
-        }
-    };
-    for (int st = 0; st < M2F_STAGES - 1; st++) {
-        if (st < steps) issue(st);
-        mb_cp_commit();
-    }
-    const int g = t % 32 / 4, t4 = t % 4, w = t / 32, p = 16 * (w % 4) + g, m = 64 * (w / 4) + g;
-    float acc[8][4] = {};
-    for (int st = 0; st < steps; st++) {
-        mb_cp_wait<M2F_STAGES - 2>();
-        __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
-        if (st + M2F_STAGES - 1 < steps) issue(st + M2F_STAGES - 1);
-        mb_cp_commit();
-        const float(*B)[M2F_LDB] = sb[st % M2F_STAGES];
-        const float(*X)[M2F_LDX] = sx[st % M2F_STAGES];
-#pragma unroll
-        for (int k = 0; k < M2F_ROWS; k += 8) {
-            const int kl = k + 2 * t4, kh = kl + 1, jl = st * M2F_ROWS + kl;
-            const float xl = dts[jl], xh = dts[jl + 1], bl = dec[jl], bh = dec[jl + 1];
-            const uint32_t a0 = mb_tf32(X[kl][p] * xl), a1 = mb_tf32(X[kl][p + 8] * xl);
-            const uint32_t a2 = mb_tf32(X[kh][p] * xh), a3 = mb_tf32(X[kh][p + 8] * xh);
-#pragma unroll
-            for (int q = 0; q < 8; q++)
-                mb_mma_tf32(acc[q], a0, a1, a2, a3, mb_tf32(B[kl][m + 8 * q] * bl),
-                            mb_tf32(B[kh][m + 8 * q] * bh));
-        }
-    }
-    mb_cp_wait<0>();
-    /* accumulator e of tile q: p + 8 (e / 2), m - g + 8 q + 2 t4 + e % 2 */
-    float *o = out + ch * per;
-#pragma unroll
-    for (int q = 0; q < 8; q++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            o[(p + 8 * (e / 2)) * SSD_NS + m - g + 8 * q + 2 * t4 + e % 2] = acc[q][e];
-    if (t == 0) E[ch] = mb_exp(last);
+    ssd_fast_fold(n, u + di, CD, u + h * SSD_HP, CD, dec, dts, out + ch * SSD_HP * SSD_NS);
+    if (threadIdx.x == 0) E[ch] = mb_exp(last);
 }
 #endif
 

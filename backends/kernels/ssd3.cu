@@ -239,9 +239,10 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs,
  * fold flag (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
  * out[c, h] = fma(exp(cs_last), hin[c, h], S). */
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
-mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,
-             const float *SIG, const float *ADT, const float *hin, float *out, float *E)
+#define M3_FOLD_PARAMS                                                                   \
+    const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
+        const float *SIG, const float *ADT, const float *hin, float *out, float *E
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS)
 {
     MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
@@ -264,6 +265,68 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
         cs, sc, dec, sA, sB);
 }
 
+#if defined(MB_MMA)
+/* Inclusive sums of 64 values over a warp, two a lane (lane l: values 2l, 2l + 1). */
+MB_DEV void m3_warp_scan(float a0, float a1, float &s0, float &s1)
+{
+    const int l = threadIdx.x % 32;
+    float s = a0 + a1;
+    for (int d = 1; d < 32; d *= 2) {
+        const float u = MB_SHFL(s, l - d, 32);
+        if (l >= d) s += u;
+    }
+    const float before = MB_SHFL(s, l - 1, 32);
+    s0 = (l ? before : 0.0f) + a0;
+    s1 = s;
+}
+
+/* Fast mode's tables of a chunk's n rows (M3Q floats each, +0 past n): adt = A * dt,
+ * the scale sc (its last row's beta read from the next ext row when sealed), cs_i the
+ * sum of adt over rows up to i and, where suf is given (M3Q + 1 floats), suf_j the
+ * sum over rows from j on. A sum over rows (j, i] is one of these, or summed
+ * directly: every adt is <= 0, so sums never cancel, but a difference of two could
+ * lose all its digits. Published by the caller's next barrier. */
+MB_DEV void m3_fast_tables(int64_t n, int64_t e0, int64_t H, int64_t h, bool sealed,
+                           const float *DT, const float *SIG, const float *ADT, float *adt,
+                           float *sc, float *cs, float *suf)
+{
+    const int t = threadIdx.x, l = t % 32;
+    if (t < M3Q) {
+        const int64_t e = (e0 + t) * H + h;
+        adt[t] = t < n ? ADT[e] : 0.0f;
+        sc[t] = t < n ? m3_scale(DT, SIG, H, e, t + 1 < n || sealed) : 0.0f;
+    }
+    if (t >= 64) return;
+    const bool up = t < 32; /* warp 0: cs; warp 1: suf, over the rows from the last */
+    if (!up && !suf) return;
+    const int r0 = up ? 2 * l : M3Q - 1 - 2 * l, r1 = up ? r0 + 1 : r0 - 1;
+    const int64_t e = (e0 + r0) * H + h, e1 = (e0 + r1) * H + h;
+    float s0, s1;
+    m3_warp_scan(r0 < n ? ADT[e] : 0.0f, r1 < n ? ADT[e1] : 0.0f, s0, s1);
+    float *o = up ? cs : suf;
+    o[r0] = s0;
+    o[r1] = s1;
+    if (!up && l == 0) suf[M3Q] = 0.0f;
+}
+
+/* mb_m3_fold_k in fast mode (sealed chunks, without hin): ssd_fast_fold of k's rows
+ * times scale_j and v's rows times dec_j. */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS)
+{
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q];
+    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2];
+    const int t = threadIdx.x;
+    if (!d[5] || n == 0) return;
+    m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
+    __syncthreads();
+    if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
+    ssd_fast_fold(n, K + (e0 * H + h) * SSD_NS, H * SSD_NS, V + (e0 * H + h) * SSD_HP, H * SSD_HP,
+                  sc, dec, out + ch * SSD_HP * SSD_NS);
+    if (t == 0) E[ch] = mb_exp(cs[n - 1]);
+}
+#endif
+
 /* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The
  * chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m (q and k
  * staged 64 columns at a time); M[i][j] = G * exp(seg[i][j]) for j < i (seg the
@@ -272,12 +335,12 @@ mb_m3_fold_k(const int64_t *desc, int64_t H, const float *K, const float *V, con
  * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
  * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
  * < n. yg may be z itself (dip = di): each element of z is read only by the thread
- * that then writes it. TC (mb_fast_m3_y_k): the products on the tensor cores. */
+ * that then writes it. */
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
-template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
 {
     __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
@@ -304,7 +367,7 @@ template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
         ssd_stage_t<64>(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
         ssd_stage_t<64>(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
         __syncthreads();
-        ssd_prod<TC>(acc, Ta, Tb, 0, 64);
+        ssd_mma64(acc, Ta, Tb, 0, 64);
     }
     /* seg down column j = t into Ta[j][i], four rows to a float4 store (rows up to j
      * are never read); v into Tb */
@@ -327,64 +390,167 @@ template <bool TC> MB_DEV void m3_y(M3_Y_PARAMS)
     }
     ssd_stage(Tb, (int)n, [&](int u, int p) { return v[u * H * SSD_HP + p]; });
     __syncthreads();
-    ssd_each<TC>([&](int r, int qq, int i, int j) {
-        if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
-        acc[r][qq] = 0.0f;
-    });
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) {
+            const int i = ssd_r(t) + r, j = ssd_cq(t, qq);
+            if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
+            acc[r][qq] = 0.0f;
+        }
     __syncthreads();
-    ssd_prod_tri<TC>(acc, Ta, Tb, 0, (int)n, 0);
+    ssd_mma64_tri(acc, Ta, Tb, 0, (int)n, 0);
     __syncthreads(); /* M and v are consumed */
-    if constexpr (TC)
-        ssd_each<TC>([&](int r, int qq, int i, int j) { Ta[i][j] = acc[r][qq]; });
-    else
-        ssd_park(Ta, acc);
+    ssd_park(Ta, acc);
     ssd_zero(acc);
     for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
         __syncthreads(); /* the previous columns are consumed */
         ssd_stage_t<32>(Tb, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
         ssd_stage_t<32>(Tb + 32, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
         __syncthreads();
-        ssd_prod<TC>(acc, Tb, Tb + 32, 0, 32);
+        ssd_mma64(acc, Tb, Tb + 32, 0, 32);
     }
     const int64_t tok0 = d[4];
-    if constexpr (TC) {
-        ssd_each<TC>([&](int r, int qq, int i, int p) {
-            if (i < r0 || i >= n) return;
-            const int64_t tok = tok0 + i - r0;
-            const float vr = v[i * H * SSD_HP + p], zr = zx[tok * dip + h * SSD_HP + p];
-            float y = acc[r][qq] * mb_exp(cs[i]) + Ta[i][p];
-            y = y + (D[h] + QKG[(e0 + i) * H + h]) * vr;
-            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr);
-        });
-    } else {
-        /* a row's v and z are all loaded before its outputs are stored (a store may
-         * alias a later load, so the loads would not move up past it) */
+    /* a row's v and z are all loaded before its outputs are stored (a store may
+     * alias a later load, so the loads would not move up past it) */
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const int64_t i = ssd_r(t) + r;
-            if (i < r0 || i >= n) continue;
-            const int64_t tok = tok0 + i - r0;
-            const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
-            float vr[8], zr[8];
+    for (int r = 0; r < 8; r++) {
+        const int64_t i = ssd_r(t) + r;
+        if (i < r0 || i >= n) continue;
+        const int64_t tok = tok0 + i - r0;
+        const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
+        float vr[8], zr[8];
 #pragma unroll
-            for (int qq = 0; qq < 8; qq++) {
-                vr[qq] = vi[ssd_cq(t, qq)];
-                zr[qq] = zi[ssd_cq(t, qq)];
-            }
-            const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
+        for (int qq = 0; qq < 8; qq++) {
+            vr[qq] = vi[ssd_cq(t, qq)];
+            zr[qq] = zi[ssd_cq(t, qq)];
+        }
+        const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
-            for (int qq = 0; qq < 8; qq++) {
-                const int p = ssd_cq(t, qq);
-                float y = acc[r][qq] * e + Ta[i][p];
-                y = y + dq * vr[qq];
-                yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
-            }
+        for (int qq = 0; qq < 8; qq++) {
+            const int p = ssd_cq(t, qq);
+            float y = acc[r][qq] * e + Ta[i][p];
+            y = y + dq * vr[qq];
+            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
         }
     }
 }
 
-MB_KERNEL_PAIR(MB_BOUNDS(SSD_UT), m3_y_k, M3_Y_PARAMS, m3_y, desc, H, di, dip, Q, K, V, DT, SIG,
-               ADT, QKG, hck, D, zx, yg)
+#if defined(MB_MMA)
+/* mb_m3_y_k in fast mode. Block (head h, chunk c), M3Y_THREADS threads; warp w owns
+ * rows i = 16 (w % 4) + (0..15) and columns 32 (w / 4) + (0..31) of each 64 x 64
+ * product, as m16n8k8 TF32 tiles. The rows of q, k and h_prev are copied as they are
+ * by cp.async, 16 state columns a stage in a ring of two, v's rows once beside them:
+ *   G = q . k^T and Y = q . h_prev^T over the stages together;
+ *   M[i][j] = G scale_j exp(adt_{j+1} + .. + adt_i) for j < i < n (else +0) into
+ *   shared memory where the ring was (the exps summed down each column first), Y
+ *   scaled by exp(cs_i);
+ *   Y += M . v over j below the warp's last row;
+ * then y = Y + (D + qk_gamma) v, gated, into yg as mb_m3_y_k writes it. */
+#define M3Y_THREADS 256
+#define M3Y_K 16  /* state columns a stage */
+#define M3Y_LD 20 /* 20 mod 32: a fragment's lanes (8 rows by 4 columns) on distinct banks */
+#define M3Y_LDV 68
+MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
+{
+    __shared__ __align__(16) float ring[2][3][64][M3Y_LD]; /* q, k, h_prev */
+    __shared__ __align__(16) float sv[64][M3Y_LDV];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
+    float(*sm)[M3Y_LDV] = (float(*)[M3Y_LDV]) & ring[0][0][0][0];
+    const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
+    if (n <= r0) return; /* no outputs */
+    const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
+    const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
+    const int64_t ld = H * SSD_NS;
+    const int t = threadIdx.x, lane = t % 32, w = t / 32, gq = lane / 4, t4 = lane % 4;
+    auto issue = [&](int st) { /* rows past n are zero-filled */
+        for (int e = t; e < 3 * 64 * (M3Y_K / 4); e += M3Y_THREADS) {
+            const int which = e / (64 * (M3Y_K / 4)), r = e / (M3Y_K / 4) % 64;
+            const int m = M3Y_K * st + 4 * (e % (M3Y_K / 4));
+            const bool in = which == 2 || r < n;
+            const float *src = which == 2 ? hp + r * SSD_NS : (which ? k : q) + (in ? r : 0) * ld;
+            mb_cp_async16(&ring[st % 2][which][r][m - M3Y_K * st], src + m, in ? 16 : 0);
+        }
+    };
+    for (int e = t; e < 64 * (SSD_HP / 4); e += M3Y_THREADS) {
+        const int r = e / (SSD_HP / 4), p = 4 * (e % (SSD_HP / 4));
+        mb_cp_async16(&sv[r][p], v + (r < n ? r : 0) * H * SSD_HP + p, r < n ? 16 : 0);
+    }
+    issue(0);
+    mb_cp_commit();
+    m3_fast_tables(n, e0, H, h, false, DT, SIG, ADT, adt, sc, cs, nullptr);
+    const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
+    float g[4][4] = {}, y[4][4] = {};
+    constexpr int steps = SSD_NS / M3Y_K;
+    for (int st = 0; st < steps; st++) {
+        mb_cp_wait<0>();
+        __syncthreads(); /* stage st landed for all; the other slot is consumed */
+        if (st + 1 < steps) issue(st + 1);
+        mb_cp_commit();
+        const float(*Qs)[M3Y_LD] = ring[st % 2][0], (*Ks)[M3Y_LD] = ring[st % 2][1];
+        const float(*Hs)[M3Y_LD] = ring[st % 2][2];
+#pragma unroll
+        for (int kk = 0; kk < M3Y_K; kk += 8) {
+            const int kl = kk + t4, kh = kl + 4;
+            const uint32_t a0 = mb_tf32(Qs[ra][kl]), a1 = mb_tf32(Qs[ra + 8][kl]);
+            const uint32_t a2 = mb_tf32(Qs[ra][kh]), a3 = mb_tf32(Qs[ra + 8][kh]);
+#pragma unroll
+            for (int qq = 0; qq < 4; qq++) {
+                const int j = cb + 8 * qq;
+                mb_mma_tf32(g[qq], a0, a1, a2, a3, mb_tf32(Ks[j][kl]), mb_tf32(Ks[j][kh]));
+                mb_mma_tf32(y[qq], a0, a1, a2, a3, mb_tf32(Hs[j][kl]), mb_tf32(Hs[j][kh]));
+            }
+        }
+    }
+    __syncthreads(); /* the ring is consumed: M takes its place */
+    if (t < M3Q) { /* exp of the sum of adt over rows (j, i], down column j = t */
+        float s = 0.0f;
+        for (int i = t + 1; i < M3Q; i++) {
+            s += adt[i];
+            sm[i][t] = __expf(s);
+        }
+    }
+    __syncthreads();
+    /* accumulator e of tile qq: row ra + 8 (e / 2), column cb - gq + 8 qq + 2 t4 + e % 2 */
+    const float ea = __expf(cs[ra]), eb = __expf(cs[ra + 8]);
+#pragma unroll
+    for (int qq = 0; qq < 4; qq++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = ra + 8 * (e / 2), j = cb - gq + 8 * qq + 2 * t4 + e % 2;
+            sm[i][j] = j < i && i < n ? g[qq][e] * sc[j] * sm[i][j] : 0.0f;
+            y[qq][e] *= e < 2 ? ea : eb;
+        }
+    __syncthreads();
+    for (int kk = 0; kk < 16 * (w % 4 + 1); kk += 8) {
+        const int kl = kk + t4, kh = kl + 4;
+        const uint32_t a0 = mb_tf32(sm[ra][kl]), a1 = mb_tf32(sm[ra + 8][kl]);
+        const uint32_t a2 = mb_tf32(sm[ra][kh]), a3 = mb_tf32(sm[ra + 8][kh]);
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++)
+            mb_mma_tf32(y[qq], a0, a1, a2, a3, mb_tf32(sv[kl][cb + 8 * qq]),
+                        mb_tf32(sv[kh][cb + 8 * qq]));
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+        const int i = ra + 8 * (e / 2);
+        if (i < r0 || i >= n) continue;
+        const int64_t tok = d[4] + i - r0;
+        const float dq = D[h] + QKG[(e0 + i) * H + h];
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++) {
+            const int p = cb - gq + 8 * qq + 2 * t4;
+            const float *zr = zx + tok * dip + h * SSD_HP + p;
+            const float z0 = zr[0], z1 = zr[1];
+            float2 o;
+            o.x = (y[qq][e] + dq * sv[i][p]) * mb_silu(z0);
+            o.y = (y[qq][e + 1] + dq * sv[i][p + 1]) * mb_silu(z1);
+            *(float2 *)(yg + tok * di + h * SSD_HP + p) = o;
+        }
+    }
+}
+#endif
 
 /* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
