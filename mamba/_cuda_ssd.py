@@ -27,7 +27,10 @@ DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
-M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k
+M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
+M3Y_SMEM = 4 * (3 * 3 * 64 * 20 + 64 * 68)
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM}  # the kernels launched with more than 48 KiB
+M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
 S_GROUP = 1 << 26  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
@@ -132,7 +135,7 @@ class SsdMixin:
         """Look up the kernels (on first use) and return the _cuda module (imported
         here: _cuda imports this module)."""
         from . import _cuda
-        self._kernels(*names)
+        self._kernels(*names, smem=SMEM)
         return _cuda
 
     def _rows_grid(self, n, B):
@@ -315,7 +318,8 @@ class SsdMixin:
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd3.cu)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
-                     "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc))
+                     "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc),
+                     *(("mb_fast_m3_angles_k",) if tc else ()))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -359,10 +363,15 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
-            self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
-                         B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
-            self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
-                         B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
+            if tc:  # the angles and the rotation in one kernel, the tokens in runs
+                self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
+                             M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
+                             theta, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
+            else:
+                self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
+                             B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
+                self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
+                             B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             _release(sc, R, Bn, Cn, TA)
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
@@ -407,7 +416,8 @@ class SsdMixin:
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg):
         """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart)."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
-                     desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg)
+                     desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
+                     smem=M3Y_SMEM if tc else 0)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

@@ -369,14 +369,15 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
  * fragments are loaded, the products on m16n8k8 TF32 tiles: warp w of eight owns p =
  * 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63). Term t (t + 4) of a step of 8 is
  * row 2 t (+ 1), which the rows' padding keeps on distinct banks. Every thread of
- * the block (SSD_FOLD_THREADS) calls it; fm and fp are published before its first
- * barrier. */
+ * the block (SSD_FOLD_THREADS) calls it; tables(), which fills fm and fp, runs while
+ * the first stages copy. */
 #define SSDF_ROWS 16
 #define SSDF_STAGES 3
 #define SSDF_LDK (SSD_NS + 4)
 #define SSDF_LDV (SSD_HP + 4)
+template <class Tables>
 MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *vp, int64_t ldv,
-                          const float *fm, const float *fp, float *o)
+                          const float *fm, const float *fp, float *o, Tables tables)
 {
     __shared__ __align__(16) float sk[SSDF_STAGES][SSDF_ROWS][SSDF_LDK];
     __shared__ __align__(16) float sv[SSDF_STAGES][SSDF_ROWS][SSDF_LDV];
@@ -398,6 +399,7 @@ MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *
         if (st < steps) issue(st);
         mb_cp_commit();
     }
+    tables();
     const int g = t % 32 / 4, t4 = t % 4, w = t / 32, p = 16 * (w % 4) + g, m = 64 * (w / 4) + g;
     float acc[8][4] = {};
     for (int st = 0; st < steps; st++) {
@@ -424,8 +426,9 @@ MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *
 #pragma unroll
     for (int q = 0; q < 8; q++)
 #pragma unroll
-        for (int e = 0; e < 4; e++)
-            o[(p + 8 * (e / 2)) * SSD_NS + m - g + 8 * q + 2 * t4 + e % 2] = acc[q][e];
+        for (int e = 0; e < 4; e += 2)
+            *(float2 *)&o[(p + 8 * (e / 2)) * SSD_NS + m - g + 8 * q + 2 * t4] =
+                make_float2(acc[q][e], acc[q][e + 1]);
 }
 #endif
 

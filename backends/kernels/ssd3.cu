@@ -181,6 +181,84 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
     }
 }
 
+#if defined(MB_MMA)
+/* Fast mode's angles and rotation in one kernel. Block (row b, head h, group of
+ * M3R_ANG angles), M3R_ANG x M3R_RUNS threads: thread (u, a) owns angle a of the
+ * group over run u of the row's new tokens (runs of ceil(T / M3R_RUNS)). Pass 1
+ * walks each run's increments ta * dt from 0 (the recurrence's own mod 2 pi every
+ * token); the runs' starting angles follow serially in shared memory; pass 2 walks
+ * each run again from its start and rotates q and k at every token as
+ * mb_m3_rotate_k does (__sincosf), M3R_BATCH tokens' inputs loaded before any of
+ * their stores. theta and theta_last as mb_m3_angles_k writes them. */
+#define M3R_ANG 8
+#define M3R_RUNS 64
+#define M3R_BATCH 4
+MB_KERNEL void MB_BOUNDS(M3R_ANG * M3R_RUNS)
+mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
+                    const int64_t *t0, const float *TA, const float *DT, float *theta,
+                    const float *Bn, const float *Cn, const float *B_bias, const float *C_bias,
+                    float *Q, float *K, float *theta_last)
+{
+    __shared__ float start[M3R_RUNS][M3R_ANG];
+    constexpr int G = M3A / M3R_ANG;
+    const int64_t b = blockIdx.x / (H * G), h = blockIdx.x / G % H;
+    const int ai = threadIdx.x % M3R_ANG, u = threadIdx.x / M3R_ANG;
+    const int r = (int)(blockIdx.x % G) * M3R_ANG + ai;
+    const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
+    const int64_t run = (T + M3R_RUNS - 1) / M3R_RUNS, ta = u * run;
+    const int64_t tb = ta + run < T ? ta + run : T;
+    auto inc = [&](int64_t t) { return TA[(o + t) * M3A + r] * DT[(e0 + t) * H + h]; };
+    float s = 0.0f;
+    for (int64_t t = ta; t < tb; t++) s = mb_mod2pi(s + inc(t));
+    start[u][ai] = s;
+    __syncthreads();
+    if (u == 0) {
+        const int64_t i = (b * H + h) * M3A + r;
+        float th = theta[i];
+        for (int k = 0; k < M3R_RUNS; k++) {
+            const float d = start[k][ai];
+            start[k][ai] = th;
+            th = mb_mod2pi(th + d);
+        }
+        theta[i] = th;
+        if (theta_last) theta_last[i] = th;
+    }
+    __syncthreads();
+    float th = start[u][ai];
+    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+    const float2 qb0 = *(const float2 *)(cb + 2 * r), qb1 = *(const float2 *)(cb + 2 * M3A + 2 * r);
+    const float2 kb0 = *(const float2 *)(kb + 2 * r), kb1 = *(const float2 *)(kb + 2 * M3A + 2 * r);
+    for (int64_t t1 = ta; t1 < tb; t1 += M3R_BATCH) {
+        float d[M3R_BATCH];
+        float2 c0[M3R_BATCH], c1[M3R_BATCH], k0[M3R_BATCH], k1[M3R_BATCH];
+#pragma unroll
+        for (int v = 0; v < M3R_BATCH; v++) {
+            const int64_t t = t1 + v < tb ? t1 + v : ta, tok = o + t;
+            d[v] = inc(t);
+            c0[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * r);
+            c1[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * M3A + 2 * r);
+            k0[v] = *(const float2 *)(Bn + tok * SSD_NS + 2 * r);
+            k1[v] = *(const float2 *)(Bn + tok * SSD_NS + 2 * M3A + 2 * r);
+        }
+#pragma unroll
+        for (int v = 0; v < M3R_BATCH; v++) {
+            if (t1 + v >= tb) break;
+            th = mb_mod2pi(th + d[v]);
+            float sn, cs;
+            __sincosf(th, &sn, &cs);
+            const int64_t e = (e0 + t1 + v) * H + h;
+            float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
+            const float q0 = c0[v].x + qb0.x, q1 = c0[v].y + qb0.y;
+            const float x0 = k0[v].x + kb0.x, x1 = k0[v].y + kb0.y;
+            *(float2 *)(qo + 2 * r) = make_float2(q0 * cs - q1 * sn, q0 * sn + q1 * cs);
+            *(float2 *)(ko + 2 * r) = make_float2(x0 * cs - x1 * sn, x0 * sn + x1 * cs);
+            *(float2 *)(qo + 2 * M3A + 2 * r) = make_float2(c1[v].x + qb1.x, c1[v].y + qb1.y);
+            *(float2 *)(ko + 2 * M3A + 2 * r) = make_float2(k1[v].x + kb1.x, k1[v].y + kb1.y);
+        }
+    }
+}
+#endif
+
 /* scale_j = dt_j * sig_j + beta, beta = dt_{j+1} * (1 - sig_{j+1}) from the next ext
  * row, or +0 for the last row of a chunk that does not fold (the report). */
 MB_DEV float m3_beta(float dt, float sig) { return dt * (1.0f - sig); }
@@ -318,11 +396,12 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
     const int64_t e0 = d[1], n = d[2];
     const int t = threadIdx.x;
     if (!d[5] || n == 0) return;
-    m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
-    __syncthreads();
-    if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
     ssd_fast_fold(n, K + (e0 * H + h) * SSD_NS, H * SSD_NS, V + (e0 * H + h) * SSD_HP, H * SSD_HP,
-                  sc, dec, out + ch * SSD_HP * SSD_NS);
+                  sc, dec, out + ch * SSD_HP * SSD_NS, [&] {
+                      m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
+                      __syncthreads();
+                      if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
+                  });
     if (t == 0) E[ch] = mb_exp(cs[n - 1]);
 }
 #endif
@@ -440,7 +519,8 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
 /* mb_m3_y_k in fast mode. Block (head h, chunk c), M3Y_THREADS threads; warp w owns
  * rows i = 16 (w % 4) + (0..15) and columns 32 (w / 4) + (0..31) of each 64 x 64
  * product, as m16n8k8 TF32 tiles. The rows of q, k and h_prev are copied as they are
- * by cp.async, 16 state columns a stage in a ring of two, v's rows once beside them:
+ * by cp.async, 16 state columns a stage in a ring of M3Y_STAGES, v's rows once
+ * beside them (M3Y_SMEM bytes of dynamic shared memory):
  *   G = q . k^T and Y = q . h_prev^T over the stages together;
  *   M[i][j] = G scale_j exp(adt_{j+1} + .. + adt_i) for j < i < n (else +0) into
  *   shared memory where the ring was (the exps summed down each column first), Y
@@ -451,12 +531,15 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
 #define M3Y_K 16  /* state columns a stage */
 #define M3Y_LD 20 /* 20 mod 32: a fragment's lanes (8 rows by 4 columns) on distinct banks */
 #define M3Y_LDV 68
+#define M3Y_STAGES 3
+#define M3Y_SMEM (4 * (M3Y_STAGES * 3 * 64 * M3Y_LD + 64 * M3Y_LDV))
 MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
 {
-    __shared__ __align__(16) float ring[2][3][64][M3Y_LD]; /* q, k, h_prev */
-    __shared__ __align__(16) float sv[64][M3Y_LDV];
+    extern __shared__ __align__(16) float sm[];
+    float(*ring)[3][64][M3Y_LD] = (float(*)[3][64][M3Y_LD])sm; /* q, k, h_prev */
+    float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_LD);
+    float(*mt)[M3Y_LDV] = (float(*)[M3Y_LDV])sm; /* M, once the ring is consumed */
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
-    float(*sm)[M3Y_LDV] = (float(*)[M3Y_LDV]) & ring[0][0][0][0];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     if (n <= r0) return; /* no outputs */
@@ -470,26 +553,28 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
             const int m = M3Y_K * st + 4 * (e % (M3Y_K / 4));
             const bool in = which == 2 || r < n;
             const float *src = which == 2 ? hp + r * SSD_NS : (which ? k : q) + (in ? r : 0) * ld;
-            mb_cp_async16(&ring[st % 2][which][r][m - M3Y_K * st], src + m, in ? 16 : 0);
+            mb_cp_async16(&ring[st % M3Y_STAGES][which][r][m - M3Y_K * st], src + m, in ? 16 : 0);
         }
     };
     for (int e = t; e < 64 * (SSD_HP / 4); e += M3Y_THREADS) {
         const int r = e / (SSD_HP / 4), p = 4 * (e % (SSD_HP / 4));
         mb_cp_async16(&sv[r][p], v + (r < n ? r : 0) * H * SSD_HP + p, r < n ? 16 : 0);
     }
-    issue(0);
-    mb_cp_commit();
+    for (int st = 0; st < M3Y_STAGES - 1; st++) {
+        issue(st);
+        mb_cp_commit();
+    }
     m3_fast_tables(n, e0, H, h, false, DT, SIG, ADT, adt, sc, cs, nullptr);
     const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
     float g[4][4] = {}, y[4][4] = {};
     constexpr int steps = SSD_NS / M3Y_K;
     for (int st = 0; st < steps; st++) {
-        mb_cp_wait<0>();
-        __syncthreads(); /* stage st landed for all; the other slot is consumed */
-        if (st + 1 < steps) issue(st + 1);
+        mb_cp_wait<M3Y_STAGES - 2>();
+        __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
+        if (st + M3Y_STAGES - 1 < steps) issue(st + M3Y_STAGES - 1);
         mb_cp_commit();
-        const float(*Qs)[M3Y_LD] = ring[st % 2][0], (*Ks)[M3Y_LD] = ring[st % 2][1];
-        const float(*Hs)[M3Y_LD] = ring[st % 2][2];
+        const float(*Qs)[M3Y_LD] = ring[st % M3Y_STAGES][0], (*Ks)[M3Y_LD] = ring[st % M3Y_STAGES][1];
+        const float(*Hs)[M3Y_LD] = ring[st % M3Y_STAGES][2];
 #pragma unroll
         for (int kk = 0; kk < M3Y_K; kk += 8) {
             const int kl = kk + t4, kh = kl + 4;
@@ -503,12 +588,26 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
             }
         }
     }
+    /* the epilogue's z and D + qk_gamma of the thread's rows ra, ra + 8 (with outputs)
+     * load while M forms */
+    float zv[2][4][2], dq[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const int i = ra + 8 * u;
+        const bool out = i >= r0 && i < n;
+        const float *zr = zx + (d[4] + i - r0) * dip + h * SSD_HP + cb - gq + 2 * t4;
+        dq[u] = out ? D[h] + QKG[(e0 + i) * H + h] : 0.0f;
+#pragma unroll
+        for (int qq = 0; qq < 4; qq++)
+            zv[u][qq][0] = out ? zr[8 * qq] : 0.0f, zv[u][qq][1] = out ? zr[8 * qq + 1] : 0.0f;
+    }
     __syncthreads(); /* the ring is consumed: M takes its place */
     if (t < M3Q) { /* exp of the sum of adt over rows (j, i], down column j = t */
         float s = 0.0f;
+#pragma unroll 8
         for (int i = t + 1; i < M3Q; i++) {
             s += adt[i];
-            sm[i][t] = __expf(s);
+            mt[i][t] = __expf(s);
         }
     }
     __syncthreads();
@@ -519,33 +618,30 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int i = ra + 8 * (e / 2), j = cb - gq + 8 * qq + 2 * t4 + e % 2;
-            sm[i][j] = j < i && i < n ? g[qq][e] * sc[j] * sm[i][j] : 0.0f;
+            mt[i][j] = j < i && i < n ? g[qq][e] * sc[j] * mt[i][j] : 0.0f;
             y[qq][e] *= e < 2 ? ea : eb;
         }
     __syncthreads();
     for (int kk = 0; kk < 16 * (w % 4 + 1); kk += 8) {
         const int kl = kk + t4, kh = kl + 4;
-        const uint32_t a0 = mb_tf32(sm[ra][kl]), a1 = mb_tf32(sm[ra + 8][kl]);
-        const uint32_t a2 = mb_tf32(sm[ra][kh]), a3 = mb_tf32(sm[ra + 8][kh]);
+        const uint32_t a0 = mb_tf32(mt[ra][kl]), a1 = mb_tf32(mt[ra + 8][kl]);
+        const uint32_t a2 = mb_tf32(mt[ra][kh]), a3 = mb_tf32(mt[ra + 8][kh]);
 #pragma unroll
         for (int qq = 0; qq < 4; qq++)
             mb_mma_tf32(y[qq], a0, a1, a2, a3, mb_tf32(sv[kl][cb + 8 * qq]),
                         mb_tf32(sv[kh][cb + 8 * qq]));
     }
 #pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-        const int i = ra + 8 * (e / 2);
+    for (int u = 0; u < 2; u++) {
+        const int i = ra + 8 * u;
         if (i < r0 || i >= n) continue;
         const int64_t tok = d[4] + i - r0;
-        const float dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
         for (int qq = 0; qq < 4; qq++) {
             const int p = cb - gq + 8 * qq + 2 * t4;
-            const float *zr = zx + tok * dip + h * SSD_HP + p;
-            const float z0 = zr[0], z1 = zr[1];
             float2 o;
-            o.x = (y[qq][e] + dq * sv[i][p]) * mb_silu(z0);
-            o.y = (y[qq][e + 1] + dq * sv[i][p + 1]) * mb_silu(z1);
+            o.x = (y[qq][2 * u] + dq[u] * sv[i][p]) * mb_silu(zv[u][qq][0]);
+            o.y = (y[qq][2 * u + 1] + dq[u] * sv[i][p + 1]) * mb_silu(zv[u][qq][1]);
             *(float2 *)(yg + tok * di + h * SSD_HP + p) = o;
         }
     }

@@ -157,7 +157,13 @@ static inline void mb_mma_tf32(float c[4], uint32_t a0, uint32_t a1, uint32_t a2
 }
 
 /* fast mode's hardware approximations (never compared bitwise); glibc declares an
- * __expf of its own, hence the macro */
+ * __expf and a __sincosf of its own, hence the macros */
 #define __expf expf
+#define __sincosf mb_emu_sincosf
 static inline float __fdividef(float a, float b) { return a / b; }
+static inline void mb_emu_sincosf(float x, float *s, float *c)
+{
+    *s = sinf(x);
+    *c = cosf(x);
+}
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
