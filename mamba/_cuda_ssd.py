@@ -57,6 +57,11 @@ def _release(sc, *ptrs):
         sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
 
 
+def _rot(tc, rot):
+    """The fast chunk kernels' last five arguments (all 0: q and k from Q and K)."""
+    return (rot or (0,) * 5) if tc else ()
+
+
 def _bits(f):
     return struct.unpack("<I", struct.pack("<f", f))[0]
 
@@ -363,16 +368,18 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
-            if tc:  # the angles and the rotation in one kernel, the tokens in runs
+            rot = ()
+            if tc:  # each new token's angles; q and k rotated where used (ssd3.cu)
+                rot = (Bn, Cn, B_bias, C_bias, sc(M * H * NA))
                 self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
-                             theta, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
+                             theta, rot[4], Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
                 self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
                 self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
-            _release(sc, R, Bn, Cn, TA)
+            _release(sc, R, TA, *(() if tc else (Bn, Cn)))
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
                              B, H, I["eoff"], DT, SIG, pk, pv, h)
@@ -384,10 +391,10 @@ class SsdMixin:
             S, Ec = sc(max(g[3] for g in plan.groups) * H * per), sc(NC * H)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, E0, cb = I["desc"] + 8 * DESC * c0, Ec + 4 * H * c0, I["gcbeg"] + 8 * at
-                self.m3_fold(s, tc, nc, H, dsc, K, V, DT, SIG, ADT, S, E0)
+                self.m3_fold(s, tc, nc, H, dsc, K, V, DT, SIG, ADT, S, E0, rot)
                 self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                              nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
-                self.m3_y(s, tc, nc, H, dsc, di, di, Q, K, V, DT, SIG, ADT, QKG, S, D, z, z)
+                self.m3_y(s, tc, nc, H, dsc, di, di, Q, K, V, DT, SIG, ADT, QKG, S, D, z, z, rot)
             # reports of each row's last token, then the working chunk into the state
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
                          I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0)
@@ -396,7 +403,7 @@ class SsdMixin:
             for buf, ext, W in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["store"], M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec)
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec, *(rot[:2] + rot[4:]))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -407,17 +414,20 @@ class SsdMixin:
         """The chunk contraction and output kernels of m3_fold and m3_y."""
         return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
 
-    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E):
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=()):
         """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
-        tc: fast mode's tensor-core kernel."""
+        tc: fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when
+        new tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
-                     desc, H, K, V, DT, SIG, ADT, 0, S, E)
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *_rot(tc, rot))
 
-    def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg):
-        """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart)."""
+    def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
+             rot=()):
+        """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc
+        and rot as for m3_fold."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
-                     smem=M3Y_SMEM if tc else 0)
+                     *_rot(tc, rot), smem=M3Y_SMEM if tc else 0)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

@@ -363,21 +363,23 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
 
 #if defined(MB_MMA)
 /* Fast mode's chunk contraction (both blocks): o[p * SSD_NS + m] = sum over rows j < n
- * of (km_j[m] fm_j) (vp_j[p] fp_j), km_j = km + j ldk (SSD_NS wide) and vp_j = vp + j
- * ldv (SSD_HP wide) copied as they are by cp.async into a ring of SSDF_STAGES stages
- * of SSDF_ROWS rows, the factors (shared, +0 from n to a whole stage) applied as the
+ * of (k_j[m] fm_j) (vp_j[p] fp_j), k_j = krow(j) (SSD_NS wide) and vp_j = vp + j ldv
+ * (SSD_HP wide) copied as they are by cp.async into a ring of SSDF_STAGES stages of
+ * SSDF_ROWS rows, the factors (shared, +0 from n to a whole stage) applied as the
  * fragments are loaded, the products on m16n8k8 TF32 tiles: warp w of eight owns p =
  * 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63). Term t (t + 4) of a step of 8 is
  * row 2 t (+ 1), which the rows' padding keeps on distinct banks. Every thread of
  * the block (SSD_FOLD_THREADS) calls it; tables(), which fills fm and fp, runs while
- * the first stages copy. */
+ * the first stages copy; fix(K, st) may rewrite stage st's k rows in place once they
+ * land, and says whether it did. */
 #define SSDF_ROWS 16
 #define SSDF_STAGES 3
 #define SSDF_LDK (SSD_NS + 4)
 #define SSDF_LDV (SSD_HP + 4)
-template <class Tables>
-MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *vp, int64_t ldv,
-                          const float *fm, const float *fp, float *o, Tables tables)
+typedef float SsdfK[SSDF_ROWS][SSDF_LDK];
+template <class KRow, class Tables, class Fix>
+MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, const float *fm,
+                          const float *fp, float *o, Tables tables, Fix fix)
 {
     __shared__ __align__(16) float sk[SSDF_STAGES][SSDF_ROWS][SSDF_LDK];
     __shared__ __align__(16) float sv[SSDF_STAGES][SSDF_ROWS][SSDF_LDV];
@@ -389,7 +391,7 @@ MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *
             const int r = e / W, q = e % W;
             const int64_t j = (int64_t)st * SSDF_ROWS + r, jc = j < n ? j : 0;
             if (q < SSD_NS / 4)
-                mb_cp_async16(&sk[st % SSDF_STAGES][r][4 * q], km + jc * ldk + 4 * q, j < n ? 16 : 0);
+                mb_cp_async16(&sk[st % SSDF_STAGES][r][4 * q], krow(jc) + 4 * q, j < n ? 16 : 0);
             else
                 mb_cp_async16(&sv[st % SSDF_STAGES][r][4 * q - SSD_NS], vp + jc * ldv + 4 * q - SSD_NS,
                               j < n ? 16 : 0);
@@ -407,6 +409,7 @@ MB_DEV void ssd_fast_fold(int64_t n, const float *km, int64_t ldk, const float *
         __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
         if (st + SSDF_STAGES - 1 < steps) issue(st + SSDF_STAGES - 1);
         mb_cp_commit();
+        if (fix(sk[st % SSDF_STAGES], st)) __syncthreads();
         const float(*K)[SSDF_LDK] = sk[st % SSDF_STAGES];
         const float(*V)[SSDF_LDV] = sv[st % SSDF_STAGES];
 #pragma unroll

@@ -119,13 +119,17 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
     const int64_t e0 = d[1], n = d[2];
     if (!d[5] || n == 0) return;
     const float *csc = cs + ch * M2Q, *u = U + e0 * CD;
-    ssd_fast_fold(n, u + di, CD, u + h * SSD_HP, CD, dec, dts, out + ch * SSD_HP * SSD_NS, [&] {
-        const float last = csc[n - 1];
-        for (int64_t j = threadIdx.x; j < M2Q; j += SSD_FOLD_THREADS) { /* rows past n: no terms */
-            dec[j] = j < n ? __expf(last - csc[j]) : 0.0f;
-            dts[j] = j < n ? dt[ch * M2Q + j] : 0.0f;
-        }
-    });
+    ssd_fast_fold(
+        n, [&](int64_t j) { return u + di + j * CD; }, u + h * SSD_HP, CD, dec, dts,
+        out + ch * SSD_HP * SSD_NS,
+        [&] {
+            const float last = csc[n - 1];
+            for (int64_t j = threadIdx.x; j < M2Q; j += SSD_FOLD_THREADS) { /* rows past n: no terms */
+                dec[j] = j < n ? __expf(last - csc[j]) : 0.0f;
+                dts[j] = j < n ? dt[ch * M2Q + j] : 0.0f;
+            }
+        },
+        [](SsdfK &, int) { return false; });
     if (threadIdx.x == 0) E[ch] = mb_exp(csc[n - 1]);
 }
 #endif

@@ -182,22 +182,46 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
 }
 
 #if defined(MB_MMA)
-/* Fast mode's angles and rotation in one kernel. Block (row b, head h, group of
- * M3R_ANG angles), M3R_ANG x M3R_RUNS threads: thread (u, a) owns angle a of the
- * group over run u of the row's new tokens (runs of ceil(T / M3R_RUNS)). Pass 1
- * walks each run's increments ta * dt from 0 (the recurrence's own mod 2 pi every
- * token); the runs' starting angles follow serially in shared memory; pass 2 walks
- * each run again from its start and rotates q and k at every token as
- * mb_m3_rotate_k does (__sincosf), M3R_BATCH tokens' inputs loaded before any of
- * their stores. theta and theta_last as mb_m3_angles_k writes them. */
+/* Fast mode forms the q and k rows of new tokens where they are used: the chunk
+ * kernels copy the normed C and B rows (one a token, every head's), then add the
+ * head's biases and rotate the pairs below 2 M3A by the token's angles TH (M new
+ * tokens, H, M3A) in shared memory. Rows from the state, and those of a row's last
+ * chunk (the reports and the state take them from Q and K), are rotated into Q and K
+ * as well. With TH null the chunk kernels read every row from Q and K. */
+#define M3_ROT_PARAMS                                                                     \
+    const float *Bn, const float *Cn, const float *B_bias, const float *C_bias, const float *TH
+
+/* the pair x plus its bias b, rotated by z = (cos, sin) */
+MB_DEV float2 m3_rot2(float2 x, float2 b, float2 z)
+{
+    const float x0 = x.x + b.x, x1 = x.y + b.y;
+    return make_float2(x0 * z.x - x1 * z.y, x0 * z.y + x1 * z.x);
+}
+
+/* (cos, sin) of pair p's angle th: the identity past the rotated pairs */
+MB_DEV float2 m3_turn(int p, float th)
+{
+    float sn = 0.0f, cs = 1.0f;
+    if (p < M3A) __sincosf(th, &sn, &cs);
+    return make_float2(cs, sn);
+}
+
+/* Fast mode's angles. Block (row b, head h, group of M3R_ANG angles), M3R_ANG x
+ * M3R_RUNS threads: thread (u, a) owns angle a of the group over run u of the row's
+ * new tokens (runs of ceil(T / M3R_RUNS)). Pass 1 walks each run's increments ta *
+ * dt from 0 (the recurrence's own mod 2 pi every token); the runs' starting angles
+ * follow serially in shared memory; pass 2 walks each run again from its start,
+ * writing every token's angle into TH and, in the row's last chunk, its rotated q and
+ * k into Q and K (__sincosf), M3R_BATCH tokens' inputs loaded before any of their
+ * stores. theta and theta_last as mb_m3_angles_k writes them. */
 #define M3R_ANG 8
 #define M3R_RUNS 64
 #define M3R_BATCH 4
 MB_KERNEL void MB_BOUNDS(M3R_ANG * M3R_RUNS)
 mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                     const int64_t *t0, const float *TA, const float *DT, float *theta,
-                    const float *Bn, const float *Cn, const float *B_bias, const float *C_bias,
-                    float *Q, float *K, float *theta_last)
+                    float *TH, const float *Bn, const float *Cn, const float *B_bias,
+                    const float *C_bias, float *Q, float *K, float *theta_last)
 {
     __shared__ float start[M3R_RUNS][M3R_ANG];
     constexpr int G = M3A / M3R_ANG;
@@ -207,6 +231,7 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
     const int64_t run = (T + M3R_RUNS - 1) / M3R_RUNS, ta = u * run;
     const int64_t tb = ta + run < T ? ta + run : T;
+    const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b]; /* the last chunk's first token */
     auto inc = [&](int64_t t) { return TA[(o + t) * M3A + r] * DT[(e0 + t) * H + h]; };
     float s = 0.0f;
     for (int64_t t = ta; t < tb; t++) s = mb_mod2pi(s + inc(t));
@@ -231,10 +256,12 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     for (int64_t t1 = ta; t1 < tb; t1 += M3R_BATCH) {
         float d[M3R_BATCH];
         float2 c0[M3R_BATCH], c1[M3R_BATCH], k0[M3R_BATCH], k1[M3R_BATCH];
+        const bool rot = t1 + M3R_BATCH > tr; /* some of the batch is in the last chunk */
 #pragma unroll
         for (int v = 0; v < M3R_BATCH; v++) {
             const int64_t t = t1 + v < tb ? t1 + v : ta, tok = o + t;
             d[v] = inc(t);
+            if (!rot) continue;
             c0[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * r);
             c1[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * M3A + 2 * r);
             k0[v] = *(const float2 *)(Bn + tok * SSD_NS + 2 * r);
@@ -242,18 +269,17 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
         }
 #pragma unroll
         for (int v = 0; v < M3R_BATCH; v++) {
-            if (t1 + v >= tb) break;
+            const int64_t t = t1 + v;
+            if (t >= tb) break;
             th = mb_mod2pi(th + d[v]);
-            float sn, cs;
-            __sincosf(th, &sn, &cs);
-            const int64_t e = (e0 + t1 + v) * H + h;
-            float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-            const float q0 = c0[v].x + qb0.x, q1 = c0[v].y + qb0.y;
-            const float x0 = k0[v].x + kb0.x, x1 = k0[v].y + kb0.y;
-            *(float2 *)(qo + 2 * r) = make_float2(q0 * cs - q1 * sn, q0 * sn + q1 * cs);
-            *(float2 *)(ko + 2 * r) = make_float2(x0 * cs - x1 * sn, x0 * sn + x1 * cs);
-            *(float2 *)(qo + 2 * M3A + 2 * r) = make_float2(c1[v].x + qb1.x, c1[v].y + qb1.y);
-            *(float2 *)(ko + 2 * M3A + 2 * r) = make_float2(k1[v].x + kb1.x, k1[v].y + kb1.y);
+            TH[((o + t) * H + h) * M3A + r] = th;
+            if (t < tr) continue;
+            const float2 z = m3_turn(r, th), one = make_float2(1.0f, 0.0f);
+            float *qo = Q + ((e0 + t) * H + h) * SSD_NS, *ko = K + ((e0 + t) * H + h) * SSD_NS;
+            *(float2 *)(qo + 2 * r) = m3_rot2(c0[v], qb0, z);
+            *(float2 *)(ko + 2 * r) = m3_rot2(k0[v], kb0, z);
+            *(float2 *)(qo + 2 * M3A + 2 * r) = m3_rot2(c1[v], qb1, one);
+            *(float2 *)(ko + 2 * M3A + 2 * r) = m3_rot2(k1[v], kb1, one);
         }
     }
 }
@@ -387,21 +413,58 @@ MB_DEV void m3_fast_tables(int64_t n, int64_t e0, int64_t H, int64_t h, bool sea
     if (!up && l == 0) suf[M3Q] = 0.0f;
 }
 
+/* A chunk's angles of new rows (row j >= r0: token tok0 + j) into th[M3Q][M3A], the
+ * head's q and k biases as pairs into bias[2][SSD_NS / 2]; published by the caller's
+ * next barrier. */
+MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, int64_t h,
+                               const float *TH, const float *B_bias, const float *C_bias,
+                               float (*th)[M3A], float2 (*bias)[SSD_NS / 2], int T)
+{
+    for (int e = threadIdx.x; e < M3Q * M3A; e += T) {
+        const int j = e / M3A, a = e % M3A;
+        th[j][a] = j >= r0 && j < n ? TH[((tok0 + j) * H + h) * M3A + a] : 0.0f;
+    }
+    for (int e = threadIdx.x; e < SSD_NS; e += T)
+        bias[e / (SSD_NS / 2)][e % (SSD_NS / 2)] =
+            ((const float2 *)((e < SSD_NS / 2 ? C_bias : B_bias) + h * SSD_NS))[e % (SSD_NS / 2)];
+}
+
+/* pair x (two floats of shared memory) of a new row: biased by b, turned by z */
+MB_DEV void m3_fix_pair(float *x, float2 b, float2 z)
+{
+    *(float2 *)x = m3_rot2(*(float2 *)x, b, z);
+}
+
 /* mb_m3_fold_k in fast mode (sealed chunks, without hin): ssd_fast_fold of k's rows
  * times scale_j and v's rows times dec_j. */
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS, M3_ROT_PARAMS)
 {
-    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q], th[M3Q][M3A];
+    __shared__ float2 bias[2][SSD_NS / 2];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2];
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
     const int t = threadIdx.x;
     if (!d[5] || n == 0) return;
-    ssd_fast_fold(n, K + (e0 * H + h) * SSD_NS, H * SSD_NS, V + (e0 * H + h) * SSD_HP, H * SSD_HP,
-                  sc, dec, out + ch * SSD_HP * SSD_NS, [&] {
-                      m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
-                      __syncthreads();
-                      if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
-                  });
+    const float *k = K + (e0 * H + h) * SSD_NS;
+    ssd_fast_fold(
+        n, [&](int64_t j) { return TH && j >= r0 ? Bn + (tok0 + j) * SSD_NS : k + j * H * SSD_NS; },
+        V + (e0 * H + h) * SSD_HP, H * SSD_HP, sc, dec, out + ch * SSD_HP * SSD_NS,
+        [&] {
+            if (TH)
+                m3_fast_rot_tables(n, r0, tok0, H, h, TH, B_bias, C_bias, th, bias,
+                                   SSD_FOLD_THREADS);
+            m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
+            __syncthreads();
+            if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
+        },
+        [&](SsdfK &Ks, int st) { /* thread t: pair t % 64 of rows t / 64 + 4 u */
+            if (!TH) return false;
+            for (int u = 0; u < SSDF_ROWS / 4; u++) {
+                const int r = t / 64 + 4 * u, j = st * SSDF_ROWS + r, p = t % 64;
+                if (j >= r0 && j < n) m3_fix_pair(&Ks[r][2 * p], bias[1][p], m3_turn(p, th[j][p % M3A]));
+            }
+            return true;
+        });
     if (t == 0) E[ch] = mb_exp(cs[n - 1]);
 }
 #endif
@@ -533,15 +596,16 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
 #define M3Y_LDV 68
 #define M3Y_STAGES 3
 #define M3Y_SMEM (4 * (M3Y_STAGES * 3 * 64 * M3Y_LD + 64 * M3Y_LDV))
-MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_PARAMS)
 {
     extern __shared__ __align__(16) float sm[];
     float(*ring)[3][64][M3Y_LD] = (float(*)[3][64][M3Y_LD])sm; /* q, k, h_prev */
     float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_LD);
     float(*mt)[M3Y_LDV] = (float(*)[M3Y_LDV])sm; /* M, once the ring is consumed */
-    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], th[M3Q][M3A];
+    __shared__ float2 bias[2][SSD_NS / 2];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
+    const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0, ch = c * H + h;
     if (n <= r0) return; /* no outputs */
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
@@ -552,7 +616,10 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
             const int which = e / (64 * (M3Y_K / 4)), r = e / (M3Y_K / 4) % 64;
             const int m = M3Y_K * st + 4 * (e % (M3Y_K / 4));
             const bool in = which == 2 || r < n;
-            const float *src = which == 2 ? hp + r * SSD_NS : (which ? k : q) + (in ? r : 0) * ld;
+            const float *src = which == 2 ? hp + r * SSD_NS
+                               : !in      ? q
+                               : TH && r >= r0 ? (which ? Bn : Cn) + (tok0 + r) * SSD_NS
+                                               : (which ? k : q) + r * ld;
             mb_cp_async16(&ring[st % M3Y_STAGES][which][r][m - M3Y_K * st], src + m, in ? 16 : 0);
         }
     };
@@ -564,6 +631,7 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
         issue(st);
         mb_cp_commit();
     }
+    if (TH) m3_fast_rot_tables(n, r0, tok0, H, h, TH, B_bias, C_bias, th, bias, M3Y_THREADS);
     m3_fast_tables(n, e0, H, h, false, DT, SIG, ADT, adt, sc, cs, nullptr);
     const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
     float g[4][4] = {}, y[4][4] = {};
@@ -573,6 +641,19 @@ MB_KERNEL void MB_BOUNDS(M3Y_THREADS) mb_fast_m3_y_k(M3_Y_PARAMS)
         __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
         if (st + M3Y_STAGES - 1 < steps) issue(st + M3Y_STAGES - 1);
         mb_cp_commit();
+        if (TH) { /* thread t: pair t % 8 of the stage, q's and k's, in rows t / 8 + 32 u */
+            const int pl = t % 8, p = M3Y_K / 2 * st + pl;
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int r = t / 8 + 32 * u;
+                if (r < r0 || r >= n) continue;
+                const float2 z = m3_turn(p, th[r][p % M3A]);
+#pragma unroll
+                for (int which = 0; which < 2; which++)
+                    m3_fix_pair(&ring[st % M3Y_STAGES][which][r][2 * pl], bias[which][p], z);
+            }
+            __syncthreads();
+        }
         const float(*Qs)[M3Y_LD] = ring[st % M3Y_STAGES][0], (*Ks)[M3Y_LD] = ring[st % M3Y_STAGES][1];
         const float(*Hs)[M3Y_LD] = ring[st % M3Y_STAGES][2];
 #pragma unroll
