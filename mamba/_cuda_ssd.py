@@ -7,9 +7,10 @@ every chunk in parallel, runs the state pass serially over each row's chunks, an
 stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
-and the conv on the fast kernels; the output kernels and Mamba-2's chunk contraction
-take the tensor cores (mb_fast_m2_y_k, mb_fast_m2_fold_k, mb_fast_m3_y_k,
-mb_fast_m3_fold_k), the other chunk kernels are the identical ones.
+and the conv on the fast kernels; the output kernels and the chunk contractions take
+the tensor cores (mb_fast_m2_y_k, mb_fast_m2_fold_k, mb_fast_m3_y_k,
+mb_fast_m3_fold_k; Mamba-3's two form new tokens' rotated q and k themselves from
+the angles of mb_fast_m3_angles_k), the other chunk kernels are the identical ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
