@@ -86,9 +86,8 @@ class Back3Mixin:
         Q, K = f(M * H * NS), f(M * H * NS)
         DT, SIG, ADT, QKG = f(M * H), f(M * H), f(M * H), f(M * H)
         TA, ANG = f(M * NA), f(M * H * NA)
-        self._launch(s, "mb_m3_prep_k", rows(L * (H + NA), B), THREADS,
-                     B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
-                     B_bias, C_bias, DT, SIG, ADT, QKG, TA)
+        self.m3_prep(s, f, B, L, I, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias, DT, SIG, ADT,
+                     QKG, TA)
         with _Scratch(self, st) as t:
             theta = t(B * H * NA)
             self._fill32(s, theta, 0, B * H * NA)

@@ -362,9 +362,8 @@ class SsdMixin:
             for buf, ext, W in bufs:
                 self._launch(s, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, I["eoff"], I["t0"], M3_Q, W, buf, ext)
-            self._launch(s, "mb_m3_prep_k", self._rows_grid(L * (H + NA), B), C.THREADS,
-                         B, I["off"], I["eoff"], I["t0"], H, 0, NR, R, dt_bias, Bn, Cn,
-                         B_bias, C_bias, DT, SIG, ADT, QKG, TA)
+            self.m3_prep(s, sc, B, L, I, H, 0, NR, R, dt_bias, Bn, Cn, B_bias, C_bias,
+                         DT, SIG, ADT, QKG, TA)
             if not direct:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
@@ -409,6 +408,18 @@ class SsdMixin:
                        fast)
             self._finish(st, back)
         return buffered_tokens if lengths is not None else plan.counts[0]
+
+    def m3_prep(self, s, sc, B, L, I, H, di, NP, zx, dt_bias, Bn, Cn, B_bias, C_bias, DT, SIG,
+                ADT, QKG, TA):
+        """mb_m3_prep_k over the new tokens of rows NP floats wide, its biases first
+        turned head-minor."""
+        C, bt = self._ssd_fn("mb_m3_prep_k"), sc(2 * NS * H)
+        for i, bias in enumerate((B_bias, C_bias)):
+            self.g_transpose(s, H, NS, bias, NS, bt + 4 * i * NS * H, H)
+        self._launch(s, "mb_m3_prep_k", self._rows_grid(L * (H + NA), B), C.THREADS,
+                     B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
+                     bt, bt + 4 * NS * H, DT, SIG, ADT, QKG, TA)
+        _release(sc, bt)
 
     @classmethod
     def m3_chunk_kernels(cls, tc):

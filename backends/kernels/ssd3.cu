@@ -31,7 +31,10 @@ MB_DEV float m3_heavy_tail(float x)
 /* One new token's prep from its in_proj row r (z | x | B | C | dd_dt | dd_A | trap |
  * angle, or with di = 0 the columns from B on): j < H, head j's dt, A * dt,
  * sigmoid(trap) and qk_gamma (c, k: the token's normed C and B, 16-byte aligned) at
- * e + j of DT, ADT, SIG and QKG; j >= H, angle j - H's tanh(angle) * PI at ta[j - H]. */
+ * e + j of DT, ADT, SIG and QKG; j >= H, angle j - H's tanh(angle) * PI at ta[j - H].
+ * The biases are (H, SSD_NS), or (SSD_NS, H) when HM (head-minor: a warp of heads
+ * then reads one cache line a term, not one a head). */
+template <bool HM>
 MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const float *dt_bias,
                         const float *c, const float *k, const float *B_bias, const float *C_bias,
                         int64_t e, float *DT, float *SIG, float *ADT, float *QKG, float *ta)
@@ -51,13 +54,15 @@ MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const 
     DT[e] = dt;
     ADT[e] = A * dt;
     SIG[e] = sig;
-    const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
-    /* four terms to a float4 of each operand: a warp's threads read the biases of as
-     * many heads, each load as many cache lines */
+    const float *cb = C_bias + h * (HM ? 1 : SSD_NS), *kb = B_bias + h * (HM ? 1 : SSD_NS);
+    auto bias4 = [&](const float *b, int m) {
+        return HM ? make_float4(b[m * H], b[(m + 1) * H], b[(m + 2) * H], b[(m + 3) * H])
+                  : *(const float4 *)(b + m);
+    };
     float acc = 0.0f;
     for (int m = 0; m < SSD_NS; m += 4) {
-        const float4 c4 = *(const float4 *)(c + m), cb4 = *(const float4 *)(cb + m);
-        const float4 k4 = *(const float4 *)(k + m), kb4 = *(const float4 *)(kb + m);
+        const float4 c4 = *(const float4 *)(c + m), cb4 = bias4(cb, m);
+        const float4 k4 = *(const float4 *)(k + m), kb4 = bias4(kb, m);
         acc = fmaf(c4.x + cb4.x, k4.x + kb4.x, acc);
         acc = fmaf(c4.y + cb4.y, k4.y + kb4.y, acc);
         acc = fmaf(c4.z + cb4.z, k4.z + kb4.z, acc);
@@ -67,7 +72,8 @@ MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const 
 }
 
 /* Grid (x over the row's tokens * (H + M3A), y over rows): m3_prep_one of every new
- * token, its row of zx dip floats; Bn, Cn the normed B and C. */
+ * token, its row of zx dip floats; Bn, Cn the normed B and C; the biases head-minor,
+ * (SSD_NS, H). */
 MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                             int64_t H, int64_t di, int64_t dip, const float *zx,
                             const float *dt_bias, const float *Bn, const float *Cn,
@@ -80,9 +86,9 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
         const int64_t o = off[b], e0 = eoff[b] + t0[b];
         MB_GRID_LOOP(i, (off[b + 1] - o) * W) {
             const int64_t t = i / W, tok = o + t;
-            m3_prep_one(zx + tok * dip, i % W, H, di, dt_bias, Cn + tok * SSD_NS,
-                        Bn + tok * SSD_NS, B_bias, C_bias, (e0 + t) * H, DT, SIG, ADT, QKG,
-                        TA + tok * M3A);
+            m3_prep_one<true>(zx + tok * dip, i % W, H, di, dt_bias, Cn + tok * SSD_NS,
+                              Bn + tok * SSD_NS, B_bias, C_bias, (e0 + t) * H, DT, SIG, ADT,
+                              QKG, TA + tok * M3A);
         }
     }
 }
