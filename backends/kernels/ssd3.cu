@@ -419,20 +419,22 @@ MB_DEV void m3_fast_tables(int64_t n, int64_t e0, int64_t H, int64_t h, bool sea
     if (!up && l == 0) suf[M3Q] = 0.0f;
 }
 
-/* A chunk's angles of new rows (row j >= r0: token tok0 + j) into th[M3Q][M3A], the
- * head's q and k biases as pairs into bias[2][SSD_NS / 2]; published by the caller's
- * next barrier. */
+/* A chunk's angles of new rows (row j >= r0: token tok0 + j) into th[M3Q][M3A] (+0
+ * elsewhere), the head's q and k biases as pairs into bias[2][SSD_NS / 2], by
+ * cp.async: complete once the caller's mb_cp_wait<0> and next barrier are past. */
 MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, int64_t h,
                                const float *TH, const float *B_bias, const float *C_bias,
                                float (*th)[M3A], float2 (*bias)[SSD_NS / 2], int T)
 {
-    for (int e = threadIdx.x; e < M3Q * M3A; e += T) {
-        const int j = e / M3A, a = e % M3A;
-        th[j][a] = j >= r0 && j < n ? TH[((tok0 + j) * H + h) * M3A + a] : 0.0f;
+    for (int e = threadIdx.x; e < M3Q * M3A / 4; e += T) {
+        const int j = e / (M3A / 4), a = 4 * (e % (M3A / 4));
+        const bool in = j >= r0 && j < n;
+        mb_cp_async16(&th[j][a], TH + ((tok0 + (in ? j : r0)) * H + h) * M3A + a, in ? 16 : 0);
     }
-    for (int e = threadIdx.x; e < SSD_NS; e += T)
-        bias[e / (SSD_NS / 2)][e % (SSD_NS / 2)] =
-            ((const float2 *)((e < SSD_NS / 2 ? C_bias : B_bias) + h * SSD_NS))[e % (SSD_NS / 2)];
+    for (int e = threadIdx.x; e < SSD_NS / 2; e += T) { /* 16-byte pieces of both */
+        const int w = e / (SSD_NS / 4), m = 4 * (e % (SSD_NS / 4));
+        mb_cp_async16((float *)bias[w] + m, (w ? B_bias : C_bias) + h * SSD_NS + m, 16);
+    }
 }
 
 /* pair x (two floats of shared memory) of a new row: biased by b, turned by z */
@@ -445,8 +447,9 @@ MB_DEV void m3_fix_pair(float *x, float2 b, float2 z)
  * times scale_j and v's rows times dec_j. */
 MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS, M3_ROT_PARAMS)
 {
-    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q], th[M3Q][M3A];
-    __shared__ float2 bias[2][SSD_NS / 2];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q];
+    __shared__ __align__(16) float th[M3Q][M3A];
+    __shared__ __align__(16) float2 bias[2][SSD_NS / 2];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
     const int t = threadIdx.x;
@@ -460,6 +463,10 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
                 m3_fast_rot_tables(n, r0, tok0, H, h, TH, B_bias, C_bias, th, bias,
                                    SSD_FOLD_THREADS);
             m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
+            if (TH) {
+                mb_cp_commit();
+                mb_cp_wait<0>(); /* the first stages with the tables */
+            }
             __syncthreads();
             if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
         },
@@ -608,8 +615,9 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     float(*ring)[3][64][M3Y_LD] = (float(*)[3][64][M3Y_LD])sm; /* q, k, h_prev */
     float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_LD);
     float(*mt)[M3Y_LDV] = (float(*)[M3Y_LDV])sm; /* M, once the ring is consumed */
-    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], th[M3Q][M3A];
-    __shared__ float2 bias[2][SSD_NS / 2];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
+    __shared__ __align__(16) float th[M3Q][M3A];
+    __shared__ __align__(16) float2 bias[2][SSD_NS / 2];
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0, ch = c * H + h;
     if (n <= r0) return; /* no outputs */
@@ -639,6 +647,10 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     }
     if (TH) m3_fast_rot_tables(n, r0, tok0, H, h, TH, B_bias, C_bias, th, bias, M3Y_THREADS);
     m3_fast_tables(n, e0, H, h, false, DT, SIG, ADT, adt, sc, cs, nullptr);
+    if (TH) {
+        mb_cp_commit();
+        mb_cp_wait<0>(); /* the first stages with the tables */
+    }
     const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
     float g[4][4] = {}, y[4][4] = {};
     constexpr int steps = SSD_NS / M3Y_K;
