@@ -95,6 +95,25 @@ def test_fast_decode_within_bound(name, backend):
     check(y[:, P + 8:], x[:, P + 8:], want[:, P + 8:], f"{name} session {backend}")
 
 
+@pytest.mark.parametrize("name,backend", CASES)
+def test_fast_split_prefill_within_bound(name, backend):
+    """A prefill of 40 tokens, then one of 260 that completes the chunks begun in
+    the state (Mamba-3's first chunk folds rows from the state and new ones; Mamba-2's
+    256-token chunk is passed) and steps on what it leaves: each part within the
+    bound of the oracle's one prefill of all 304 tokens."""
+    B, P, Q, T = 2, 40, 300, 304
+    w = weights(name)
+    blk = BLOCKS[name]["cls"](w, numeric_mode="fast", backend=backend)
+    x = np.random.default_rng(9).standard_normal((B, T, DM)).astype(np.float32)
+    want = oracle(name, w, x)
+    st = blk.allocate_state(B)
+    blk.forward(np.ascontiguousarray(x[:, :P]), st)
+    y = np.asarray(blk.forward(np.ascontiguousarray(x[:, P:Q]), st))
+    check(y, x[:, P:Q], want[:, P:Q], f"{name} continued prefill {backend}")
+    ys = [np.asarray(blk.step(np.ascontiguousarray(x[:, t:t + 1]), st)) for t in range(Q, T)]
+    check(np.concatenate(ys, axis=1), x[:, Q:], want[:, Q:], f"{name} steps after {backend}")
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "cuda"])
 def test_fast_gemm_within_bound(backend):
     """The TF32 GEMM and the split-K GEMV at tile and alignment edges."""
