@@ -78,6 +78,7 @@ class _Plan:
     def __init__(self, B, L, lengths, t0, Q, m3, group=None):
         self.B, self.Q = B, Q
         off, eoff, cbeg, store, last, rep, desc, counts = [0], [0], [0], [], [], [], [], []
+        store_c, last_c = [], []  # as store and last for arrays of the open chunks alone
         for b in range(B):
             off.append(off[-1] + (lengths[b] if lengths is not None else L))
         for b in range(B):
@@ -91,8 +92,10 @@ class _Plan:
             kl = (T - 1) // Q if m3 else T // Q
             r, base = T - kl * Q, eoff[b] + kl * Q
             store += [base, 0, r, 1] if kl > 0 else [base, t0, T, 0]
+            store_c += [b * Q] + store[-3:]
             rep += [b, base, r, 0, 0, 0]
             last.append(eoff[b] + T - 1)
+            last_c.append(b * Q + r - 1)
             counts.append(r)
             eoff.append(eoff[b] + T)
         self.M, self.E, self.NC = off[-1], eoff[-1], len(desc) // DESC
@@ -112,7 +115,8 @@ class _Plan:
         self._tables, self._at = array.array("q"), []
         for name, part in (("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff),
                            ("cbeg", cbeg), ("store", store), ("last", last), ("rep", rep),
-                           ("desc", desc), ("gcbeg", gcbeg)):
+                           ("desc", desc), ("gcbeg", gcbeg), ("coff", range(0, B * Q, Q)),
+                           ("store_c", store_c), ("last_c", last_c)):
             self._at.append((name, len(self._tables)))
             self._tables.extend(part)
 
@@ -355,13 +359,17 @@ class SsdMixin:
             Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
             direct = buffered_tokens == 0
-            Q, K, V = sc(E * H * NS), sc(E * H * NS), xv if direct else sc(E * di)
+            # (fast mode's Q and K hold each row's last chunk alone, as the state does:
+            # the chunks before take the state's rows and form the new ones)
+            ext_at, qk_at = (I["eoff"], I["store"]), (I["coff"], I["store_c"])
+            qk_rows, qk_at = (B * M3_Q, qk_at) if tc else (E, ext_at)
+            Q, K, V = sc(qk_rows * H * NS), sc(qk_rows * H * NS), xv if direct else sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
-            bufs = ((bq, Q, H * NS), (bk, K, H * NS), (bv, V, di), (bdt, DT, H),
-                    (bsig, SIG, H), (badt, ADT, H))
-            for buf, ext, W in bufs:
+            bufs = ((bq, Q, H * NS, qk_at), (bk, K, H * NS, qk_at), (bv, V, di, ext_at),
+                    (bdt, DT, H, ext_at), (bsig, SIG, H, ext_at), (badt, ADT, H, ext_at))
+            for buf, ext, W, (at, _) in bufs:
                 self._launch(s, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
-                             B, I["eoff"], I["t0"], M3_Q, W, buf, ext)
+                             B, at, I["t0"], M3_Q, W, buf, ext)
             self.m3_prep(s, sc, B, L, I, H, 0, NR, R, dt_bias, Bn, Cn, B_bias, C_bias,
                          DT, SIG, ADT, QKG, TA)
             if not direct:
@@ -389,20 +397,23 @@ class SsdMixin:
             # pass overwrites with the state entering each chunk, as for Mamba-2):
             # sealed ones' contractions, the state pass, the outputs
             S, Ec = sc(max(g[3] for g in plan.groups) * H * per), sc(NC * H)
+            qs, ks = (bq, bk) if tc else (Q, K)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, E0, cb = I["desc"] + 8 * DESC * c0, Ec + 4 * H * c0, I["gcbeg"] + 8 * at
-                self.m3_fold(s, tc, nc, H, dsc, K, V, DT, SIG, ADT, S, E0, rot)
+                self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0, rot)
                 self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                              nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
-                self.m3_y(s, tc, nc, H, dsc, di, di, Q, K, V, DT, SIG, ADT, QKG, S, D, z, z, rot)
+                self.m3_y(s, tc, nc, H, dsc, di, di, qs, ks, V, DT, SIG, ADT, QKG, S, D, z, z,
+                          rot)
             # reports of each row's last token, then the working chunk into the state
+            krow = I["coff"] if tc else 0
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
-                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0)
+                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, krow)
             self._launch(s, "mb_m3_last_k", (self._grid(B * H * (NS + HP)),), C.THREADS,
-                         B, H, I["last"], K, V, rep[1], rep[2])
-            for buf, ext, W in bufs:
+                         B, H, I["last"], K, V, rep[1], rep[2], I["last_c"] if tc else 0)
+            for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
-                             B, I["store"], M3_Q, W, ext, buf)
+                             B, at, M3_Q, W, ext, buf)
             _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec, *(rot[:2] + rot[4:]))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
@@ -431,7 +442,7 @@ class SsdMixin:
         tc: fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when
         new tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
-                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *_rot(tc, rot))
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *(_rot(tc, rot) if tc else (0,)))
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):

@@ -489,19 +489,23 @@ def test_fast_mode_is_close(be, name):
     tokens (the split-K GEMV), a prefill that continues it (a chunk's rows before r0),
     decode steps and a prefill past the GEMV's rows (the TF32 GEMM on the emulated
     tensor cores) and past a Mamba-2 chunk (its fast fold's and output's stages over
-    256 rows). The continuation seals a Mamba-3 chunk that began in the state, and the
-    steps read the state it leaves."""
+    256 rows). The continuations seal Mamba-3 chunks that began in the state (the
+    second one's rows stored by the first), each leaves its reports, and the steps
+    read the state they leave."""
     cpu = make(name, backend="cpu")
     fast = make(name, backend="cuda", numeric_mode="fast")
-    x = rand((2, 84, cpu.d_model), 12)
+    x = rand((2, 144, cpu.d_model), 12)
     st_c, st_f = cpu.allocate_state(2), fast.allocate_state(2)
-    pairs = [(cpu.forward(time_slice(x, a, b), st_c), fast.forward(time_slice(x, a, b), st_f))
-             for a, b in ((0, 4), (4, 82))]  # the second continues the first's chunk
+    pairs = []
+    for a, b in ((0, 4), (4, 82), (82, 142)):  # each continues the last chunk
+        pairs.append((cpu.forward(time_slice(x, a, b), st_c),
+                      fast.forward(time_slice(x, a, b), st_f)))
+        pairs += [(getattr(cpu, r), getattr(fast, r)) for r in REPORTS[name]]
     long = rand((2, 300, cpu.d_model), 13)
     pairs.append((cpu.forward(long), fast.forward(long)))
     pairs.append((cpu.forward(long, lengths=[300, 37]), fast.forward(long, lengths=[300, 37])))
     pairs += [(cpu.step(time_slice(x, t, t + 1), st_c), fast.step(time_slice(x, t, t + 1), st_f))
-              for t in (82, 83)]
+              for t in (142, 143)]
     for want, got in pairs:
         err = rel_l2(floats(got), floats(want))
         assert err <= FAST_BOUND, f"{name} fast mode: relative L2 error {err:.2e}"

@@ -191,9 +191,11 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
 /* Fast mode forms the q and k rows of new tokens where they are used: the chunk
  * kernels copy the normed C and B rows (one a token, every head's), then add the
  * head's biases and rotate the pairs below 2 M3A by the token's angles TH (M new
- * tokens, H, M3A) in shared memory. Rows from the state, and those of a row's last
- * chunk (the reports and the state take them from Q and K), are rotated into Q and K
- * as well. With TH null the chunk kernels read every row from Q and K. */
+ * tokens, H, M3A) in shared memory. Q and K are then the state's buffers (B, M3Q,
+ * H, SSD_NS), whose rows the chunks before r0 take; the rows of each row's last
+ * chunk, which the reports and the state take, are rotated by the angles kernel into
+ * arrays of that shape. With TH null the chunk kernels read every row from Q and K
+ * in the ext layout. */
 #define M3_ROT_PARAMS                                                                     \
     const float *Bn, const float *Cn, const float *B_bias, const float *C_bias, const float *TH
 
@@ -218,8 +220,9 @@ MB_DEV float2 m3_turn(int p, float th)
  * dt from 0 (the recurrence's own mod 2 pi every token); the runs' starting angles
  * follow serially in shared memory; pass 2 walks each run again from its start,
  * writing every token's angle into TH and, in the row's last chunk, its rotated q and
- * k into Q and K (__sincosf), M3R_BATCH tokens' inputs loaded before any of their
- * stores. theta and theta_last as mb_m3_angles_k writes them. */
+ * k (__sincosf) into Q and K, (B, M3Q, H, SSD_NS) that hold the last chunks alone;
+ * M3R_BATCH tokens' inputs loaded before any of their stores. theta and theta_last
+ * as mb_m3_angles_k writes them. */
 #define M3R_ANG 8
 #define M3R_RUNS 64
 #define M3R_BATCH 4
@@ -281,7 +284,8 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
             TH[((o + t) * H + h) * M3A + r] = th;
             if (t < tr) continue;
             const float2 z = m3_turn(r, th), one = make_float2(1.0f, 0.0f);
-            float *qo = Q + ((e0 + t) * H + h) * SSD_NS, *ko = K + ((e0 + t) * H + h) * SSD_NS;
+            const int64_t row = (b * M3Q + t - tr) * H + h; /* the last chunk's rows alone */
+            float *qo = Q + row * SSD_NS, *ko = K + row * SSD_NS;
             *(float2 *)(qo + 2 * r) = m3_rot2(c0[v], qb0, z);
             *(float2 *)(ko + 2 * r) = m3_rot2(k0[v], kb0, z);
             *(float2 *)(qo + 2 * M3A + 2 * r) = m3_rot2(c1[v], qb1, one);
@@ -348,17 +352,19 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs,
 /* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
  * fold flag (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
- * out[c, h] = fma(exp(cs_last), hin[c, h], S). */
+ * out[c, h] = fma(exp(cs_last), hin[c, h], S). krow (optional): K's row of the
+ * chunk's row 0 for row b = krow[b] (fast mode's K of the last chunks alone), else
+ * the ext row. */
 #define M3_FOLD_PARAMS                                                                   \
     const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
         const float *SIG, const float *ADT, const float *hin, float *out, float *E
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow)
 {
     MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
+    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS, k0 = krow ? krow[d[0]] : e0;
     const bool sealed = d[5] != 0;
     if (!hin && !sealed) return;
     float *o = out + ch * per;
@@ -366,7 +372,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS)
     m3_fold<SSD_FOLD_THREADS>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
-        [&](int64_t j, int m) { return K[((e0 + j) * H + h) * SSD_NS + m]; },
+        [&](int64_t j, int m) { return K[((k0 + j) * H + h) * SSD_NS + m]; },
         [&](int64_t j, int p) { return V[((e0 + j) * H + h) * SSD_HP + p]; },
         [&](int64_t e, float acc, float ex) {
             o[e] = hi ? fmaf(ex, hi[e], acc) : acc;
@@ -454,7 +460,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
     const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
     const int t = threadIdx.x;
     if (!d[5] || n == 0) return;
-    const float *k = K + (e0 * H + h) * SSD_NS;
+    const float *k = K + ((TH ? d[0] * M3Q : e0) * H + h) * SSD_NS; /* with TH the state's */
     ssd_fast_fold(
         n, [&](int64_t j) { return TH && j >= r0 ? Bn + (tok0 + j) * SSD_NS : k + j * H * SSD_NS; },
         V + (e0 * H + h) * SSD_HP, H * SSD_HP, sc, dec, out + ch * SSD_HP * SSD_NS,
@@ -621,7 +627,8 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0, ch = c * H + h;
     if (n <= r0) return; /* no outputs */
-    const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
+    const int64_t qk0 = TH ? d[0] * M3Q : e0; /* Q's and K's row of the chunk's row 0 */
+    const float *q = Q + (qk0 * H + h) * SSD_NS, *k = K + (qk0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
     const int64_t ld = H * SSD_NS;
     const int t = threadIdx.x, lane = t % 32, w = t / 32, gq = lane / 4, t4 = lane % 4;
@@ -747,15 +754,16 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
 }
 #endif
 
-/* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token). */
+/* k_last, v_last (B, H, ...) from ext row last[b] (each row's last token), k's
+ * from K's row klast[b] where given (as krow of mb_m3_fold_k). */
 MB_KERNEL void mb_m3_last_k(int64_t B, int64_t H, const int64_t *last, const float *K,
-                            const float *V, float *k_last, float *v_last)
+                            const float *V, float *k_last, float *v_last, const int64_t *klast)
 {
     const int64_t W = SSD_NS + SSD_HP;
     MB_GRID_LOOP(i, B * H * W) {
         const int64_t bh = i / W, b = bh / H, h = bh % H, w = i % W, e = last[b] * H + h;
         if (w < SSD_NS)
-            k_last[bh * SSD_NS + w] = K[e * SSD_NS + w];
+            k_last[bh * SSD_NS + w] = K[((klast ? klast[b] : last[b]) * H + h) * SSD_NS + w];
         else
             v_last[bh * SSD_HP + w - SSD_NS] = V[e * SSD_HP + w - SSD_NS];
     }
