@@ -58,9 +58,9 @@ def _release(sc, *ptrs):
         sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
 
 
-def _rot(tc, rot):
+def _rot(rot):
     """The fast chunk kernels' last five arguments (all 0: q and k from Q and K)."""
-    return (rot or (0,) * 5) if tc else ()
+    return rot or (0,) * 5
 
 
 def _bits(f):
@@ -361,8 +361,8 @@ class SsdMixin:
             direct = buffered_tokens == 0
             # (fast mode's Q and K hold each row's last chunk alone, as the state does:
             # the chunks before take the state's rows and form the new ones)
-            ext_at, qk_at = (I["eoff"], I["store"]), (I["coff"], I["store_c"])
-            qk_rows, qk_at = (B * M3_Q, qk_at) if tc else (E, ext_at)
+            ext_at = (I["eoff"], I["store"])  # the tables that load and store a buffer
+            qk_rows, qk_at = (B * M3_Q, (I["coff"], I["store_c"])) if tc else (E, ext_at)
             Q, K, V = sc(qk_rows * H * NS), sc(qk_rows * H * NS), xv if direct else sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
             bufs = ((bq, Q, H * NS, qk_at), (bk, K, H * NS, qk_at), (bv, V, di, ext_at),
@@ -377,11 +377,12 @@ class SsdMixin:
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
             rot = ()
-            if tc:  # each new token's angles; q and k rotated where used (ssd3.cu)
-                rot = (Bn, Cn, B_bias, C_bias, sc(M * H * NA))
+            if tc:  # each new token's angles TH; q and k rotated where used (ssd3.cu)
+                TH = sc(M * H * NA)
+                rot = (Bn, Cn, B_bias, C_bias, TH)
                 self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
-                             theta, rot[4], Bn, Cn, B_bias, C_bias, Q, K, rep[3])
+                             theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
                 self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
@@ -414,7 +415,7 @@ class SsdMixin:
             for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec, *(rot[:2] + rot[4:]))
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec, *((Bn, Cn, TH) if tc else ()))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -442,7 +443,8 @@ class SsdMixin:
         tc: fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when
         new tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
-                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *(_rot(tc, rot) if tc else (0,)))
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E,
+                     *(_rot(rot) if tc else (0,)))  # the identical kernel's krow: ext rows
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):
@@ -450,7 +452,7 @@ class SsdMixin:
         and rot as for m3_fold."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
-                     *_rot(tc, rot), smem=M3Y_SMEM if tc else 0)
+                     *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else 0)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

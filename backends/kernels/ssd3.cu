@@ -96,6 +96,13 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
 /* theta after a token: mod2pi(theta + ta * dt). */
 MB_DEV float m3_angle(float th, float ta, float dt) { return mb_mod2pi(th + ta * dt); }
 
+/* the pair x plus its bias b, rotated by z = (cos, sin) */
+MB_DEV float2 m3_rot2(float2 x, float2 b, float2 z)
+{
+    const float x0 = x.x + b.x, x1 = x.y + b.y;
+    return make_float2(x0 * z.x - x1 * z.y, x0 * z.y + x1 * z.x);
+}
+
 /* Token tok (ext row index e = ext row * H + h) at angle th: pair (2r, 2r + 1) of
  * the biased q and k rotated, dims 64 + 2r, 64 + 2r + 1 copied unrotated; rot
  * (optional) receives cos and sin at rot[(e * M3A + r) * 2 + {0, 1}]. */
@@ -111,12 +118,10 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
     }
     const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
     float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-    const float q0 = c[2 * r] + cb[2 * r], q1 = c[2 * r + 1] + cb[2 * r + 1];
-    const float k0 = k[2 * r] + kb[2 * r], k1 = k[2 * r + 1] + kb[2 * r + 1];
-    qo[2 * r] = (q0 * cs) - (q1 * sn);
-    qo[2 * r + 1] = (q0 * sn) + (q1 * cs);
-    ko[2 * r] = (k0 * cs) - (k1 * sn);
-    ko[2 * r + 1] = (k0 * sn) + (k1 * cs);
+    auto pair = [&](const float *x) { return *(const float2 *)(x + 2 * r); };
+    const float2 z = make_float2(cs, sn);
+    *(float2 *)(qo + 2 * r) = m3_rot2(pair(c), pair(cb), z);
+    *(float2 *)(ko + 2 * r) = m3_rot2(pair(k), pair(kb), z);
     for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
         qo[m] = c[m] + cb[m];
         ko[m] = k[m] + kb[m];
@@ -198,13 +203,6 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
  * in the ext layout. */
 #define M3_ROT_PARAMS                                                                     \
     const float *Bn, const float *Cn, const float *B_bias, const float *C_bias, const float *TH
-
-/* the pair x plus its bias b, rotated by z = (cos, sin) */
-MB_DEV float2 m3_rot2(float2 x, float2 b, float2 z)
-{
-    const float x0 = x.x + b.x, x1 = x.y + b.y;
-    return make_float2(x0 * z.x - x1 * z.y, x0 * z.y + x1 * z.x);
-}
 
 /* (cos, sin) of pair p's angle th: the identity past the rotated pairs */
 MB_DEV float2 m3_turn(int p, float th)

@@ -362,8 +362,8 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
     __syncthreads();
     /* e = -hh puts the head's values in nt's slots */
     if (tid <= M3A)
-        m3_prep_one<false>(row, tid ? H + tid - 1 : hh, H, di, dt_bias, bc[1], bc[0], B_bias, C_bias, -hh,
-                    nt, nt + 1, nt + 2, nt + 3, ta);
+        m3_prep_one<false>(row, tid ? H + tid - 1 : hh, H, di, dt_bias, bc[1], bc[0], B_bias,
+                           C_bias, -hh, nt, nt + 1, nt + 2, nt + 3, ta);
     __syncthreads(); /* dt and the angles' tanh are written */
     if (tid < M3A) {
         const int64_t at = bh * M3A + tid;
