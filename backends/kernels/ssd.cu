@@ -365,73 +365,98 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
 /* Fast mode's chunk contraction (both blocks): o[p * SSD_NS + m] = sum over rows j < n
  * of (k_j[m] fm_j) (vp_j[p] fp_j), k_j = krow(j) (SSD_NS wide) and vp_j = vp + j ldv
  * (SSD_HP wide) copied as they are by cp.async into a ring of SSDF_STAGES stages of
- * SSDF_ROWS rows, the factors (shared, +0 from n to a whole stage) applied as the
- * fragments are loaded, the products on m16n8k8 TF32 tiles: warp w of eight owns p =
- * 16 (w % 4) + (0..15) and m = 64 (w / 4) + (0..63). Term t (t + 4) of a step of 8 is
- * row 2 t (+ 1), which the rows' padding keeps on distinct banks. Every thread of
- * the block (SSD_FOLD_THREADS) calls it; tables(), which fills fm and fp, runs while
- * the first stages copy; fix(K, st) may rewrite stage st's k rows in place once they
- * land, and says whether it did. */
+ * SSDF_ROWS rows. Each thread readies the 16-byte pieces it copied itself once they
+ * land (fix(j, m, x) may rewrite k_j's columns m..m + 3 first; then the factors, +0
+ * from n to a whole stage, and the rounding to TF32), so one barrier a stage
+ * suffices. The products run on m16n8k8 TF32 tiles: warp w of eight owns p = 16 (w %
+ * 4) + (0..15), the tile rows g and g + 8 being p = 2g and 2g + 1 there (one 8-byte
+ * read), and m = 64 (w / 4) + (0..63), tile q's column g being m = 4g + q, or 32 + 4g +
+ * q - 4 from q = 4 (two 16-byte reads a row). Pieces sit at 16-byte column c ^ 2 (j %
+ * 4) of their row, which puts every read of a quarter warp on distinct banks. Every
+ * thread of the block (SSD_FOLD_THREADS) calls it; tables(), which fills fm and fp,
+ * runs while the first stages copy. */
 #define SSDF_ROWS 16
 #define SSDF_STAGES 3
-#define SSDF_LDK (SSD_NS + 4)
-#define SSDF_LDV (SSD_HP + 4)
-typedef float SsdfK[SSDF_ROWS][SSDF_LDK];
+MB_DEV int ssdf_sw(int j, int m) { return m ^ 8 * (j % 4); } /* the swizzled column of m */
 template <class KRow, class Tables, class Fix>
 MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, const float *fm,
                           const float *fp, float *o, Tables tables, Fix fix)
 {
-    __shared__ __align__(16) float sk[SSDF_STAGES][SSDF_ROWS][SSDF_LDK];
-    __shared__ __align__(16) float sv[SSDF_STAGES][SSDF_ROWS][SSDF_LDV];
+    static_assert(2 * SSD_FOLD_THREADS == SSDF_ROWS * SSD_NS / 4, "two k pieces a thread");
+    static_assert(SSD_FOLD_THREADS == SSDF_ROWS * SSD_HP / 4, "one v piece a thread");
+    __shared__ __align__(16) float sk[SSDF_STAGES][SSDF_ROWS][SSD_NS];
+    __shared__ __align__(16) float sv[SSDF_STAGES][SSDF_ROWS][SSD_HP];
     const int t = threadIdx.x;
     const int steps = (int)((n + SSDF_ROWS - 1) / SSDF_ROWS);
+    /* thread t's pieces: k's rows t / 32 and t / 32 + 8 at column km, v's row t / 16 at vm */
+    const int kr = t / 32, km = 4 * (t % 32), vr = t / 16, vm = 4 * (t % 16);
     auto issue = [&](int st) { /* rows past n are zero-filled */
-        constexpr int W = (SSD_NS + SSD_HP) / 4; /* 16-byte pieces a row */
-        for (int e = t; e < SSDF_ROWS * W; e += SSD_FOLD_THREADS) {
-            const int r = e / W, q = e % W;
-            const int64_t j = (int64_t)st * SSDF_ROWS + r, jc = j < n ? j : 0;
-            if (q < SSD_NS / 4)
-                mb_cp_async16(&sk[st % SSDF_STAGES][r][4 * q], krow(jc) + 4 * q, j < n ? 16 : 0);
-            else
-                mb_cp_async16(&sv[st % SSDF_STAGES][r][4 * q - SSD_NS], vp + jc * ldv + 4 * q - SSD_NS,
-                              j < n ? 16 : 0);
+        float(*K)[SSD_NS] = sk[st % SSDF_STAGES];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int r = kr + 8 * u;
+            const int64_t j = (int64_t)st * SSDF_ROWS + r;
+            mb_cp_async16(&K[r][ssdf_sw(r, km)], krow(j < n ? j : 0) + km, j < n ? 16 : 0);
         }
+        const int64_t j = (int64_t)st * SSDF_ROWS + vr;
+        mb_cp_async16(&sv[st % SSDF_STAGES][vr][ssdf_sw(vr, vm)], vp + (j < n ? j : 0) * ldv + vm,
+                      j < n ? 16 : 0);
+    };
+    auto ready = [&](float *x, float f) {
+        for (int i = 0; i < 4; i++) x[i] = __uint_as_float(mb_tf32(x[i] * f));
     };
     for (int st = 0; st < SSDF_STAGES - 1; st++) {
         if (st < steps) issue(st);
         mb_cp_commit();
     }
     tables();
-    const int g = t % 32 / 4, t4 = t % 4, w = t / 32, p = 16 * (w % 4) + g, m = 64 * (w / 4) + g;
+    __syncthreads(); /* the tables are published */
+    const int g = t % 32 / 4, t4 = t % 4, w = t / 32, pb = 16 * (w % 4) + 2 * g, mb = 64 * (w / 4) + 4 * g;
     float acc[8][4] = {};
     for (int st = 0; st < steps; st++) {
-        mb_cp_wait<SSDF_STAGES - 2>();
-        __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
+        mb_cp_wait<SSDF_STAGES - 2>(); /* this thread's pieces of stage st landed */
+        float(*K)[SSD_NS] = sk[st % SSDF_STAGES];
+        float(*V)[SSD_HP] = sv[st % SSDF_STAGES];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int r = kr + 8 * u, j = st * SSDF_ROWS + r;
+            float4 *x = (float4 *)&K[r][ssdf_sw(r, km)];
+            float4 v = *x;
+            fix(j, km, v);
+            ready(&v.x, fm[j]);
+            *x = v;
+        }
+        ready(&V[vr][ssdf_sw(vr, vm)], fp[st * SSDF_ROWS + vr]);
+        __syncthreads(); /* stage st is ready for all; the slot refilled next is consumed */
         if (st + SSDF_STAGES - 1 < steps) issue(st + SSDF_STAGES - 1);
         mb_cp_commit();
-        if (fix(sk[st % SSDF_STAGES], st)) __syncthreads();
-        const float(*K)[SSDF_LDK] = sk[st % SSDF_STAGES];
-        const float(*V)[SSDF_LDV] = sv[st % SSDF_STAGES];
 #pragma unroll
         for (int k = 0; k < SSDF_ROWS; k += 8) {
-            const int kl = k + 2 * t4, kh = kl + 1, jl = st * SSDF_ROWS + kl;
-            const float vl = fp[jl], vh = fp[jl + 1], ml = fm[jl], mh = fm[jl + 1];
-            const uint32_t a0 = mb_tf32(V[kl][p] * vl), a1 = mb_tf32(V[kl][p + 8] * vl);
-            const uint32_t a2 = mb_tf32(V[kh][p] * vh), a3 = mb_tf32(V[kh][p + 8] * vh);
+            const int kl = k + t4, kh = kl + 4; /* kl % 4 == kh % 4 == t4 */
+            const float2 al = *(const float2 *)&V[kl][ssdf_sw(t4, pb)];
+            const float2 ah = *(const float2 *)&V[kh][ssdf_sw(t4, pb)];
 #pragma unroll
-            for (int q = 0; q < 8; q++)
-                mb_mma_tf32(acc[q], a0, a1, a2, a3, mb_tf32(K[kl][m + 8 * q] * ml),
-                            mb_tf32(K[kh][m + 8 * q] * mh));
+            for (int hh = 0; hh < 2; hh++) {
+                const float4 bl = *(const float4 *)&K[kl][ssdf_sw(t4, mb + 32 * hh)];
+                const float4 bh = *(const float4 *)&K[kh][ssdf_sw(t4, mb + 32 * hh)];
+                const float b[2][4] = {{bl.x, bl.y, bl.z, bl.w}, {bh.x, bh.y, bh.z, bh.w}};
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mb_mma_tf32(acc[4 * hh + q], __float_as_uint(al.x), __float_as_uint(al.y),
+                                __float_as_uint(ah.x), __float_as_uint(ah.y),
+                                __float_as_uint(b[0][q]), __float_as_uint(b[1][q]));
+            }
         }
     }
     mb_cp_wait<0>();
-    /* accumulator e of tile q: p + 8 (e / 2), m - g + 8 q + 2 t4 + e % 2 */
+    /* accumulator e of tile 4 hh + q: p = pb + e / 2, m = 64 (w / 4) + 8 t4 + 4 (e % 2) +
+     * 32 hh + q */
 #pragma unroll
-    for (int q = 0; q < 8; q++)
+    for (int e = 0; e < 4; e++)
 #pragma unroll
-        for (int e = 0; e < 4; e += 2)
-            *(float2 *)&o[(p + 8 * (e / 2)) * SSD_NS + m - g + 8 * q + 2 * t4] =
-                make_float2(acc[q][e], acc[q][e + 1]);
+        for (int hh = 0; hh < 2; hh++)
+            *(float4 *)&o[(pb + e / 2) * SSD_NS + 64 * (w / 4) + 8 * t4 + 4 * (e % 2) + 32 * hh] =
+                make_float4(acc[4 * hh][e], acc[4 * hh + 1][e], acc[4 * hh + 2][e], acc[4 * hh + 3][e]);
 }
 #endif
 

@@ -441,10 +441,13 @@ MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, i
     }
 }
 
-/* pair x (two floats of shared memory) of a new row: biased by b, turned by z */
-MB_DEV void m3_fix_pair(float *x, float2 b, float2 z)
+/* Columns 2p .. 2p + 3 of a new row, x: pairs p and p + 1 biased by b and turned by
+ * the row's angles th. */
+MB_DEV float4 m3_fix_piece(float4 x, const float2 *b, const float *th, int p)
 {
-    *(float2 *)x = m3_rot2(*(float2 *)x, b, z);
+    const float2 u = m3_rot2(make_float2(x.x, x.y), b[p], m3_turn(p, th[p % M3A]));
+    const float2 v = m3_rot2(make_float2(x.z, x.w), b[p + 1], m3_turn(p + 1, th[(p + 1) % M3A]));
+    return make_float4(u.x, u.y, v.x, v.y);
 }
 
 /* mb_m3_fold_k in fast mode (sealed chunks, without hin): ssd_fast_fold of k's rows
@@ -474,13 +477,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
             __syncthreads();
             if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
         },
-        [&](SsdfK &Ks, int st) { /* thread t: pair t % 64 of rows t / 64 + 4 u */
-            if (!TH) return false;
-            for (int u = 0; u < SSDF_ROWS / 4; u++) {
-                const int r = t / 64 + 4 * u, j = st * SSDF_ROWS + r, p = t % 64;
-                if (j >= r0 && j < n) m3_fix_pair(&Ks[r][2 * p], bias[1][p], m3_turn(p, th[j][p % M3A]));
-            }
-            return true;
+        [&](int j, int m, float4 &x) {
+            if (TH && j >= r0 && j < n) x = m3_fix_piece(x, bias[1], th[j], m / 2);
         });
     if (t == 0) E[ch] = mb_exp(cs[n - 1]);
 }
@@ -600,7 +598,10 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
  * rows i = 16 (w % 4) + (0..15) and columns 32 (w / 4) + (0..31) of each 64 x 64
  * product, as m16n8k8 TF32 tiles. The rows of q, k and h_prev are copied as they are
  * by cp.async, 16 state columns a stage in a ring of M3Y_STAGES, v's rows once
- * beside them (M3Y_SMEM bytes of dynamic shared memory):
+ * beside them (M3Y_SMEM bytes of dynamic shared memory); each thread readies the
+ * pieces it copied once they land (new rows' q and k biased and turned, every operand
+ * rounded to TF32), so one barrier a stage suffices. A tile's k t and t + 4 are a
+ * stage's columns 4t and 4t + 1, then 4t + 2 and 4t + 3: one 16-byte read a row.
  *   G = q . k^T and Y = q . h_prev^T over the stages together;
  *   M[i][j] = G scale_j exp(adt_{j+1} + .. + adt_i) for j < i < n (else +0) into
  *   shared memory where the ring was (the exps summed down each column first), Y
@@ -608,16 +609,16 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
  *   Y += M . v over j below the warp's last row;
  * then y = Y + (D + qk_gamma) v, gated, into yg as mb_m3_y_k writes it. */
 #define M3Y_THREADS 256
-#define M3Y_K 16  /* state columns a stage */
-#define M3Y_LD 20 /* 20 mod 32: a fragment's lanes (8 rows by 4 columns) on distinct banks */
-#define M3Y_LDV 68
+#define M3Y_K 16   /* state columns a stage */
+#define M3Y_LDV 72 /* 8 mod 32: the fragments of M and v on distinct banks */
 #define M3Y_STAGES 3
-#define M3Y_SMEM (4 * (M3Y_STAGES * 3 * 64 * M3Y_LD + 64 * M3Y_LDV))
+#define M3Y_SMEM (4 * (M3Y_STAGES * 3 * 64 * M3Y_K + 64 * M3Y_LDV))
 MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_PARAMS)
 {
+    static_assert(M3Y_THREADS == 64 * M3Y_K / 4, "a piece of each operand a thread");
     extern __shared__ __align__(16) float sm[];
-    float(*ring)[3][64][M3Y_LD] = (float(*)[3][64][M3Y_LD])sm; /* q, k, h_prev */
-    float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_LD);
+    float(*ring)[3][64][M3Y_K] = (float(*)[3][64][M3Y_K])sm; /* q, k, h_prev */
+    float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_K);
     float(*mt)[M3Y_LDV] = (float(*)[M3Y_LDV])sm; /* M, once the ring is consumed */
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
     __shared__ __align__(16) float th[M3Q][M3A];
@@ -630,17 +631,17 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
     const int64_t ld = H * SSD_NS;
     const int t = threadIdx.x, lane = t % 32, w = t / 32, gq = lane / 4, t4 = lane % 4;
+    /* thread t's pieces: row cr, columns cm .. cm + 3 of each stage's q, k and h_prev */
+    const int cr = t / 4, cm = 4 * (t % 4);
+    const bool rin = cr < n, rnew = TH && cr >= r0 && rin;
+    const float *src[3] = {rnew ? Cn + (tok0 + cr) * SSD_NS : q + (rin ? cr : 0) * ld,
+                           rnew ? Bn + (tok0 + cr) * SSD_NS : k + (rin ? cr : 0) * ld,
+                           hp + cr * SSD_NS};
     auto issue = [&](int st) { /* rows past n are zero-filled */
-        for (int e = t; e < 3 * 64 * (M3Y_K / 4); e += M3Y_THREADS) {
-            const int which = e / (64 * (M3Y_K / 4)), r = e / (M3Y_K / 4) % 64;
-            const int m = M3Y_K * st + 4 * (e % (M3Y_K / 4));
-            const bool in = which == 2 || r < n;
-            const float *src = which == 2 ? hp + r * SSD_NS
-                               : !in      ? q
-                               : TH && r >= r0 ? (which ? Bn : Cn) + (tok0 + r) * SSD_NS
-                                               : (which ? k : q) + r * ld;
-            mb_cp_async16(&ring[st % M3Y_STAGES][which][r][m - M3Y_K * st], src + m, in ? 16 : 0);
-        }
+#pragma unroll
+        for (int which = 0; which < 3; which++)
+            mb_cp_async16(&ring[st % M3Y_STAGES][which][cr][cm], src[which] + M3Y_K * st + cm,
+                          which == 2 || rin ? 16 : 0);
     };
     for (int e = t; e < 64 * (SSD_HP / 4); e += M3Y_THREADS) {
         const int r = e / (SSD_HP / 4), p = 4 * (e % (SSD_HP / 4));
@@ -656,40 +657,38 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
         mb_cp_commit();
         mb_cp_wait<0>(); /* the first stages with the tables */
     }
+    __syncthreads(); /* the tables are published */
     const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
     float g[4][4] = {}, y[4][4] = {};
     constexpr int steps = SSD_NS / M3Y_K;
     for (int st = 0; st < steps; st++) {
-        mb_cp_wait<M3Y_STAGES - 2>();
-        __syncthreads(); /* stage st landed for all; the slot refilled next is consumed */
+        mb_cp_wait<M3Y_STAGES - 2>(); /* this thread's pieces of stage st landed */
+#pragma unroll
+        for (int which = 0; which < 3; which++) {
+            float4 *px = (float4 *)&ring[st % M3Y_STAGES][which][cr][cm];
+            float4 x = *px;
+            if (which < 2 && rnew) x = m3_fix_piece(x, bias[which], th[cr], (M3Y_K * st + cm) / 2);
+            *px = make_float4(__uint_as_float(mb_tf32(x.x)), __uint_as_float(mb_tf32(x.y)),
+                              __uint_as_float(mb_tf32(x.z)), __uint_as_float(mb_tf32(x.w)));
+        }
+        __syncthreads(); /* stage st is ready for all; the slot refilled next is consumed */
         if (st + M3Y_STAGES - 1 < steps) issue(st + M3Y_STAGES - 1);
         mb_cp_commit();
-        if (TH) { /* thread t: pair t % 8 of the stage, q's and k's, in rows t / 8 + 32 u */
-            const int pl = t % 8, p = M3Y_K / 2 * st + pl;
+        const float(*Qs)[M3Y_K] = ring[st % M3Y_STAGES][0], (*Ks)[M3Y_K] = ring[st % M3Y_STAGES][1];
+        const float(*Hs)[M3Y_K] = ring[st % M3Y_STAGES][2];
+        const float4 qa = *(const float4 *)&Qs[ra][4 * t4], qb = *(const float4 *)&Qs[ra + 8][4 * t4];
 #pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int r = t / 8 + 32 * u;
-                if (r < r0 || r >= n) continue;
-                const float2 z = m3_turn(p, th[r][p % M3A]);
-#pragma unroll
-                for (int which = 0; which < 2; which++)
-                    m3_fix_pair(&ring[st % M3Y_STAGES][which][r][2 * pl], bias[which][p], z);
-            }
-            __syncthreads();
-        }
-        const float(*Qs)[M3Y_LD] = ring[st % M3Y_STAGES][0], (*Ks)[M3Y_LD] = ring[st % M3Y_STAGES][1];
-        const float(*Hs)[M3Y_LD] = ring[st % M3Y_STAGES][2];
-#pragma unroll
-        for (int kk = 0; kk < M3Y_K; kk += 8) {
-            const int kl = kk + t4, kh = kl + 4;
-            const uint32_t a0 = mb_tf32(Qs[ra][kl]), a1 = mb_tf32(Qs[ra + 8][kl]);
-            const uint32_t a2 = mb_tf32(Qs[ra][kh]), a3 = mb_tf32(Qs[ra + 8][kh]);
-#pragma unroll
-            for (int qq = 0; qq < 4; qq++) {
-                const int j = cb + 8 * qq;
-                mb_mma_tf32(g[qq], a0, a1, a2, a3, mb_tf32(Ks[j][kl]), mb_tf32(Ks[j][kh]));
-                mb_mma_tf32(y[qq], a0, a1, a2, a3, mb_tf32(Hs[j][kl]), mb_tf32(Hs[j][kh]));
-            }
+        for (int qq = 0; qq < 4; qq++) {
+            const int j = cb + 8 * qq;
+            const float4 kb = *(const float4 *)&Ks[j][4 * t4], hb = *(const float4 *)&Hs[j][4 * t4];
+            mb_mma_tf32(g[qq], __float_as_uint(qa.x), __float_as_uint(qb.x), __float_as_uint(qa.y),
+                        __float_as_uint(qb.y), __float_as_uint(kb.x), __float_as_uint(kb.y));
+            mb_mma_tf32(y[qq], __float_as_uint(qa.x), __float_as_uint(qb.x), __float_as_uint(qa.y),
+                        __float_as_uint(qb.y), __float_as_uint(hb.x), __float_as_uint(hb.y));
+            mb_mma_tf32(g[qq], __float_as_uint(qa.z), __float_as_uint(qb.z), __float_as_uint(qa.w),
+                        __float_as_uint(qb.w), __float_as_uint(kb.z), __float_as_uint(kb.w));
+            mb_mma_tf32(y[qq], __float_as_uint(qa.z), __float_as_uint(qb.z), __float_as_uint(qa.w),
+                        __float_as_uint(qb.w), __float_as_uint(hb.z), __float_as_uint(hb.w));
         }
     }
     /* the epilogue's z and D + qk_gamma of the thread's rows ra, ra + 8 (with outputs)
@@ -715,21 +714,27 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
         }
     }
     __syncthreads();
-    /* accumulator e of tile qq: row ra + 8 (e / 2), column cb - gq + 8 qq + 2 t4 + e % 2 */
+    /* accumulator e of tile qq: row ra + 8 (e / 2), column cb - gq + 8 qq + 2 t4 + e % 2;
+     * M rounded to TF32 as it is stored */
     const float ea = __expf(cs[ra]), eb = __expf(cs[ra + 8]);
 #pragma unroll
     for (int qq = 0; qq < 4; qq++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int i = ra + 8 * (e / 2), j = cb - gq + 8 * qq + 2 * t4 + e % 2;
-            mt[i][j] = j < i && i < n ? g[qq][e] * sc[j] * mt[i][j] : 0.0f;
-            y[qq][e] *= e < 2 ? ea : eb;
+        for (int u = 0; u < 2; u++) {
+            const int i = ra + 8 * u, j = cb - gq + 8 * qq + 2 * t4;
+            float2 *pm = (float2 *)&mt[i][j];
+            const float2 x = *pm;
+            const float m0 = j < i && i < n ? g[qq][2 * u] * sc[j] * x.x : 0.0f;
+            const float m1 = j + 1 < i && i < n ? g[qq][2 * u + 1] * sc[j + 1] * x.y : 0.0f;
+            *pm = make_float2(__uint_as_float(mb_tf32(m0)), __uint_as_float(mb_tf32(m1)));
+            y[qq][2 * u] *= u ? eb : ea;
+            y[qq][2 * u + 1] *= u ? eb : ea;
         }
     __syncthreads();
     for (int kk = 0; kk < 16 * (w % 4 + 1); kk += 8) {
         const int kl = kk + t4, kh = kl + 4;
-        const uint32_t a0 = mb_tf32(mt[ra][kl]), a1 = mb_tf32(mt[ra + 8][kl]);
-        const uint32_t a2 = mb_tf32(mt[ra][kh]), a3 = mb_tf32(mt[ra + 8][kh]);
+        const uint32_t a0 = __float_as_uint(mt[ra][kl]), a1 = __float_as_uint(mt[ra + 8][kl]);
+        const uint32_t a2 = __float_as_uint(mt[ra][kh]), a3 = __float_as_uint(mt[ra + 8][kh]);
 #pragma unroll
         for (int qq = 0; qq < 4; qq++)
             mb_mma_tf32(y[qq], a0, a1, a2, a3, mb_tf32(sv[kl][cb + 8 * qq]),
