@@ -9,8 +9,9 @@
  * TF32, to nearest, and fills terms past K, rows past M or N with zeros).
  * Warpgroups 1 and 2 take rows 0-63 and 64-127 of the tile, each as four
  * wgmma.m64n256k8 a stage, their 128 accumulators a thread summed in fp32 in one
- * fixed order (no atomics: the same bits on every run). Barriers: full[s] (the
- * stage's bytes arrived), empty[s] (the 256 consumer threads are done with it).
+ * fixed order (no atomics: the same bits on every run), one stage's products left in
+ * flight while the next stage's issue. Barriers: full[s] (the stage's bytes
+ * arrived), empty[s] (the 256 consumer threads are done with it).
  * Blocks walk the tiles in groups of WG_GROUP row tiles, so the blocks resident
  * together share W's tiles in L2. */
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -62,10 +63,12 @@ MB_DEV uint64_t mb_wg_desc(const void *p)
 
 #define MB_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
                  "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-/* d += A . B^T over 8 terms: A 64 rows, B 256 rows, both from shared memory. */
-MB_DEV void mb_wgmma_256(float d[128], uint64_t a, uint64_t b)
+/* d = A . B^T (+ d when acc) over 8 terms: A 64 rows, B 256 rows, both from shared
+ * memory. */
+MB_DEV void mb_wgmma_256(float d[128], uint64_t a, uint64_t b, int acc)
 {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
                  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
                  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
                  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
@@ -74,11 +77,11 @@ MB_DEV void mb_wgmma_256(float d[128], uint64_t a, uint64_t b)
                  "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
                  "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
                  "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127},"
-                 " %128, %129, 1, 1, 1;"
+                 " %128, %129, p, 1, 1;\n}"
                  : MB_D8(0), MB_D8(8), MB_D8(16), MB_D8(24), MB_D8(32), MB_D8(40), MB_D8(48),
                    MB_D8(56), MB_D8(64), MB_D8(72), MB_D8(80), MB_D8(88), MB_D8(96), MB_D8(104),
                    MB_D8(112), MB_D8(120)
-                 : "l"(a), "l"(b));
+                 : "l"(a), "l"(b), "r"(acc));
 }
 #undef MB_D8
 
@@ -122,20 +125,20 @@ mb_fast_wgmma_k(int64_t M, int64_t N, int64_t K, const __grid_constant__ mb_tmap
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int half = wg - 1, lane = tid % 32, w = tid / 32 % 4, g = lane / 4, t4 = lane % 4;
-    float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; i++) d[i] = 0.0f;
+    float d[128]; /* the first products write it */
     for (int c = 0; c < chunks; c++) {
         const int s = c % WG_STAGES;
         mb_bar_wait(full + s, c / WG_STAGES & 1);
         const float *A = As + (s * WG_BM + half * 64) * WG_BK, *B = Bs + s * WG_BN * WG_BK;
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int k = 0; k < WG_BK; k += 8) mb_wgmma_256(d, mb_wg_desc(A + k), mb_wg_desc(B + k));
+        for (int k = 0; k < WG_BK; k += 8) mb_wgmma_256(d, mb_wg_desc(A + k), mb_wg_desc(B + k), c | k);
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        mb_bar_arrive(empty + s);
+        /* the previous stage's products are done (this one's stay in flight): free it */
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (c > 0) mb_bar_arrive(empty + (c - 1) % WG_STAGES);
     }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     /* d[4 j + e]: row 16 w + g (+8 for e >= 2) of this half, column 8 j + 2 t4 + (e & 1) */
     const bool pair = ((ldy | ldr) & 1) == 0 && (((uintptr_t)Y | (uintptr_t)res) & 7) == 0;
 #pragma unroll
