@@ -441,12 +441,19 @@ MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, i
     }
 }
 
-/* Columns 2p .. 2p + 3 of a new row, x: pairs p and p + 1 biased by b and turned by
- * the row's angles th. */
-MB_DEV float4 m3_fix_piece(float4 x, const float2 *b, const float *th, int p)
+/* The turns of pairs p and p + 1 of a new row at angles th: cos and sin of each. */
+MB_DEV float4 m3_turns(const float *th, int p)
 {
-    const float2 u = m3_rot2(make_float2(x.x, x.y), b[p], m3_turn(p, th[p % M3A]));
-    const float2 v = m3_rot2(make_float2(x.z, x.w), b[p + 1], m3_turn(p + 1, th[(p + 1) % M3A]));
+    const float2 u = m3_turn(p, th[p % M3A]), v = m3_turn(p + 1, th[(p + 1) % M3A]);
+    return make_float4(u.x, u.y, v.x, v.y);
+}
+
+/* Columns 2p .. 2p + 3 of a new row, x: pairs p and p + 1 biased by b and turned by
+ * z (m3_turns). */
+MB_DEV float4 m3_fix_piece(float4 x, const float2 *b, int p, float4 z)
+{
+    const float2 u = m3_rot2(make_float2(x.x, x.y), b[p], make_float2(z.x, z.y));
+    const float2 v = m3_rot2(make_float2(x.z, x.w), b[p + 1], make_float2(z.z, z.w));
     return make_float4(u.x, u.y, v.x, v.y);
 }
 
@@ -478,7 +485,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
             if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
         },
         [&](int j, int m, float4 &x) {
-            if (TH && j >= r0 && j < n) x = m3_fix_piece(x, bias[1], th[j], m / 2);
+            if (TH && j >= r0 && j < n) x = m3_fix_piece(x, bias[1], m / 2, m3_turns(th[j], m / 2));
         });
     if (t == 0) E[ch] = mb_exp(cs[n - 1]);
 }
@@ -616,6 +623,7 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
 MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_PARAMS)
 {
     static_assert(M3Y_THREADS == 64 * M3Y_K / 4, "a piece of each operand a thread");
+    static_assert(M3Y_THREADS == 4 * M3Q, "a quarter of a column of M a thread");
     extern __shared__ __align__(16) float sm[];
     float(*ring)[3][64][M3Y_K] = (float(*)[3][64][M3Y_K])sm; /* q, k, h_prev */
     float(*sv)[M3Y_LDV] = (float(*)[M3Y_LDV])(sm + M3Y_STAGES * 3 * 64 * M3Y_K);
@@ -663,11 +671,13 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     constexpr int steps = SSD_NS / M3Y_K;
     for (int st = 0; st < steps; st++) {
         mb_cp_wait<M3Y_STAGES - 2>(); /* this thread's pieces of stage st landed */
+        const int pp = (M3Y_K * st + cm) / 2;
+        const float4 z = rnew ? m3_turns(th[cr], pp) : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
 #pragma unroll
         for (int which = 0; which < 3; which++) {
             float4 *px = (float4 *)&ring[st % M3Y_STAGES][which][cr][cm];
             float4 x = *px;
-            if (which < 2 && rnew) x = m3_fix_piece(x, bias[which], th[cr], (M3Y_K * st + cm) / 2);
+            if (which < 2 && rnew) x = m3_fix_piece(x, bias[which], pp, z);
             *px = make_float4(__uint_as_float(mb_tf32(x.x)), __uint_as_float(mb_tf32(x.y)),
                               __uint_as_float(mb_tf32(x.z)), __uint_as_float(mb_tf32(x.w)));
         }
@@ -705,13 +715,18 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
             zv[u][qq][0] = out ? zr[8 * qq] : 0.0f, zv[u][qq][1] = out ? zr[8 * qq + 1] : 0.0f;
     }
     __syncthreads(); /* the ring is consumed: M takes its place */
-    if (t < M3Q) { /* exp of the sum of adt over rows (j, i], down column j = t */
+    { /* exp of the sum of adt over rows (j, i] ascending, column j = t % 64, rows i of
+       * quarter t / 64 (the sum carried up to the quarter first) */
+        const int j = t % M3Q, i0 = M3Q / 4 * (t / M3Q);
         float s = 0.0f;
 #pragma unroll 8
-        for (int i = t + 1; i < M3Q; i++) {
-            s += adt[i];
-            mt[i][t] = __expf(s);
-        }
+        for (int i = j + 1; i < i0; i++) s += adt[i];
+#pragma unroll
+        for (int i = i0; i < i0 + M3Q / 4; i++)
+            if (i > j) {
+                s += adt[i];
+                mt[i][j] = __expf(s);
+            }
     }
     __syncthreads();
     /* accumulator e of tile qq: row ra + 8 (e / 2), column cb - gq + 8 qq + 2 t4 + e % 2;
