@@ -215,16 +215,16 @@ MB_DEV float2 m3_turn(int p, float th)
 /* Fast mode's angles. Block (row b, head h, group of M3R_ANG angles), M3R_ANG x
  * M3R_RUNS threads: thread (u, a) owns angle a of the group over run u of the row's
  * new tokens (runs of ceil(T / M3R_RUNS)). Pass 1 walks each run's increments ta *
- * dt from 0 (the recurrence's own mod 2 pi every token); the runs' starting angles
- * follow serially in shared memory; pass 2 walks each run again from its start,
- * writing every token's angle into TH and, in the row's last chunk, its rotated q and
- * k (__sincosf) into Q and K, (B, M3Q, H, SSD_NS) that hold the last chunks alone;
- * M3R_BATCH tokens' inputs loaded before any of their stores. theta and theta_last
- * as mb_m3_angles_k writes them. */
+ * dt from 0 (the recurrence's own mod 2 pi every token, M3R_AHEAD increments loaded
+ * together); the runs' starting angles follow serially in shared memory; pass 2 walks
+ * each run again from its start, writing every token's angle into TH and, in the
+ * row's last chunk, its rotated q and k (__sincosf) into Q and K, (B, M3Q, H,
+ * SSD_NS) that hold the last chunks alone. theta and theta_last as mb_m3_angles_k
+ * writes them. Two blocks a multiprocessor: the walks are chains of dependent adds. */
 #define M3R_ANG 8
 #define M3R_RUNS 64
-#define M3R_BATCH 4
-MB_KERNEL void MB_BOUNDS(M3R_ANG * M3R_RUNS)
+#define M3R_AHEAD 8 /* increments loaded together */
+MB_KERNEL void MB_BOUNDS_MIN(M3R_ANG * M3R_RUNS, 2)
 mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                     const int64_t *t0, const float *TA, const float *DT, float *theta,
                     float *TH, const float *Bn, const float *Cn, const float *B_bias,
@@ -240,8 +240,18 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     const int64_t tb = ta + run < T ? ta + run : T;
     const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b]; /* the last chunk's first token */
     auto inc = [&](int64_t t) { return TA[(o + t) * M3A + r] * DT[(e0 + t) * H + h]; };
+    auto walk = [&](int64_t t0_, int64_t t1_, auto f) { /* f(t, increment) for t in [t0_, t1_) */
+        for (int64_t t1 = t0_; t1 < t1_; t1 += M3R_AHEAD) {
+            float d[M3R_AHEAD];
+#pragma unroll
+            for (int v = 0; v < M3R_AHEAD; v++) d[v] = t1 + v < t1_ ? inc(t1 + v) : 0.0f;
+#pragma unroll
+            for (int v = 0; v < M3R_AHEAD; v++)
+                if (t1 + v < t1_) f(t1 + v, d[v]);
+        }
+    };
     float s = 0.0f;
-    for (int64_t t = ta; t < tb; t++) s = mb_mod2pi(s + inc(t));
+    walk(ta, tb, [&](int64_t, float d) { s = mb_mod2pi(s + d); });
     start[u][ai] = s;
     __syncthreads();
     if (u == 0) {
@@ -257,37 +267,24 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     }
     __syncthreads();
     float th = start[u][ai];
+    const int64_t tm = tr < ta ? ta : tr < tb ? tr : tb; /* the run's tokens from tm on rotate */
+    walk(ta, tm, [&](int64_t t, float d) {
+        th = mb_mod2pi(th + d);
+        TH[((o + t) * H + h) * M3A + r] = th;
+    });
     const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
-    const float2 qb0 = *(const float2 *)(cb + 2 * r), qb1 = *(const float2 *)(cb + 2 * M3A + 2 * r);
-    const float2 kb0 = *(const float2 *)(kb + 2 * r), kb1 = *(const float2 *)(kb + 2 * M3A + 2 * r);
-    for (int64_t t1 = ta; t1 < tb; t1 += M3R_BATCH) {
-        float d[M3R_BATCH];
-        float2 c0[M3R_BATCH], c1[M3R_BATCH], k0[M3R_BATCH], k1[M3R_BATCH];
-        const bool rot = t1 + M3R_BATCH > tr; /* some of the batch is in the last chunk */
+    for (int64_t t = tm; t < tb; t++) {
+        const float *c = Cn + (o + t) * SSD_NS, *k = Bn + (o + t) * SSD_NS;
+        th = mb_mod2pi(th + inc(t));
+        TH[((o + t) * H + h) * M3A + r] = th;
+        const float2 z = m3_turn(r, th), one = make_float2(1.0f, 0.0f);
+        const int64_t row = (b * M3Q + t - tr) * H + h; /* the last chunk's rows alone */
+        float *qo = Q + row * SSD_NS, *ko = K + row * SSD_NS;
 #pragma unroll
-        for (int v = 0; v < M3R_BATCH; v++) {
-            const int64_t t = t1 + v < tb ? t1 + v : ta, tok = o + t;
-            d[v] = inc(t);
-            if (!rot) continue;
-            c0[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * r);
-            c1[v] = *(const float2 *)(Cn + tok * SSD_NS + 2 * M3A + 2 * r);
-            k0[v] = *(const float2 *)(Bn + tok * SSD_NS + 2 * r);
-            k1[v] = *(const float2 *)(Bn + tok * SSD_NS + 2 * M3A + 2 * r);
-        }
-#pragma unroll
-        for (int v = 0; v < M3R_BATCH; v++) {
-            const int64_t t = t1 + v;
-            if (t >= tb) break;
-            th = mb_mod2pi(th + d[v]);
-            TH[((o + t) * H + h) * M3A + r] = th;
-            if (t < tr) continue;
-            const float2 z = m3_turn(r, th), one = make_float2(1.0f, 0.0f);
-            const int64_t row = (b * M3Q + t - tr) * H + h; /* the last chunk's rows alone */
-            float *qo = Q + row * SSD_NS, *ko = K + row * SSD_NS;
-            *(float2 *)(qo + 2 * r) = m3_rot2(c0[v], qb0, z);
-            *(float2 *)(ko + 2 * r) = m3_rot2(k0[v], kb0, z);
-            *(float2 *)(qo + 2 * M3A + 2 * r) = m3_rot2(c1[v], qb1, one);
-            *(float2 *)(ko + 2 * M3A + 2 * r) = m3_rot2(k1[v], kb1, one);
+        for (int w = 0; w < 2; w++) { /* pair r (turned), then pair M3A + r (biased only) */
+            const int m = 2 * (r + M3A * w);
+            *(float2 *)(qo + m) = m3_rot2(*(const float2 *)(c + m), *(const float2 *)(cb + m), w ? one : z);
+            *(float2 *)(ko + m) = m3_rot2(*(const float2 *)(k + m), *(const float2 *)(kb + m), w ? one : z);
         }
     }
 }
