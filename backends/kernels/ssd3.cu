@@ -240,14 +240,14 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     const int64_t tb = ta + run < T ? ta + run : T;
     const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b]; /* the last chunk's first token */
     auto inc = [&](int64_t t) { return TA[(o + t) * M3A + r] * DT[(e0 + t) * H + h]; };
-    auto walk = [&](int64_t t0_, int64_t t1_, auto f) { /* f(t, increment) for t in [t0_, t1_) */
-        for (int64_t t1 = t0_; t1 < t1_; t1 += M3R_AHEAD) {
+    auto walk = [&](int64_t from, int64_t to, auto f) { /* f(t, increment) for t in [from, to) */
+        for (int64_t t1 = from; t1 < to; t1 += M3R_AHEAD) {
             float d[M3R_AHEAD];
 #pragma unroll
-            for (int v = 0; v < M3R_AHEAD; v++) d[v] = t1 + v < t1_ ? inc(t1 + v) : 0.0f;
+            for (int v = 0; v < M3R_AHEAD; v++) d[v] = t1 + v < to ? inc(t1 + v) : 0.0f;
 #pragma unroll
             for (int v = 0; v < M3R_AHEAD; v++)
-                if (t1 + v < t1_) f(t1 + v, d[v]);
+                if (t1 + v < to) f(t1 + v, d[v]);
         }
     };
     float s = 0.0f;
@@ -267,7 +267,7 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     }
     __syncthreads();
     float th = start[u][ai];
-    const int64_t tm = tr < ta ? ta : tr < tb ? tr : tb; /* the run's tokens from tm on rotate */
+    const int64_t tm = tr < ta ? ta : tr < tb ? tr : tb; /* the run's tokens in the last chunk: [tm, tb) */
     walk(ta, tm, [&](int64_t t, float d) {
         th = mb_mod2pi(th + d);
         TH[((o + t) * H + h) * M3A + r] = th;
