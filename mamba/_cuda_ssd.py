@@ -8,9 +8,11 @@ stores the chunk left open back into the state buffers. The arithmetic is the C
 reference's (reference/block2.c, block3.c) seam by seam; launch shapes cannot
 change a bit. In fast mode the projections run on TF32 tensor cores and the norms
 and the conv on the fast kernels; the output kernels and the chunk contractions take
-the tensor cores (mb_fast_m2_y_k, mb_fast_m2_fold_k, mb_fast_m3_y_k,
-mb_fast_m3_fold_k; Mamba-3's two form new tokens' rotated q and k themselves from
-the angles of mb_fast_m3_angles_k), the other chunk kernels are the identical ones.
+the tensor cores (mb_fast_m2_y_k, mb_fast_m2_fold_k, mb_fast_m3_y_k, and for
+Mamba-3's forward mb_fast_m3_state_k, its contractions and state pass in one walk
+over each row's chunks; Mamba-3's two form new tokens' rotated q and k themselves
+from the angles of mb_fast_m3_angles_k), the other chunk kernels are the identical
+ones.
 
 VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
@@ -30,7 +32,9 @@ TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
-SMEM = {"mb_fast_m3_y_k": M3Y_SMEM}  # the kernels launched with more than 48 KiB
+M3S_THREADS = 128  # ssd3.cu: mb_fast_m3_state_k, a block a row, head and quarter of columns
+M3S_SMEM = 4 * 2 * 64 * (72 + 40 + 16)
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_fast_m3_state_k": M3S_SMEM}  # more than 48 KiB
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
@@ -329,7 +333,7 @@ class SsdMixin:
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
                      "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc),
-                     *(("mb_fast_m3_angles_k",) if tc else ()))
+                     *(("mb_fast_m3_angles_k", "mb_fast_m3_state_k") if tc else ()))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -396,14 +400,20 @@ class SsdMixin:
                     self._fill32(s, a, 0, n)
             # the chunks, a group of rows at a time (their states S, which the state
             # pass overwrites with the state entering each chunk, as for Mamba-2):
-            # sealed ones' contractions, the state pass, the outputs
-            S, Ec = sc(max(g[3] for g in plan.groups) * H * per), sc(NC * H)
+            # sealed ones' contractions, the state pass (fast mode: both in one
+            # kernel walking each row's chunks), the outputs
+            S, Ec = sc(max(g[3] for g in plan.groups) * H * per), 0 if tc else sc(NC * H)
             qs, ks = (bq, bk) if tc else (Q, K)
             for b0, nb, c0, nc, at in plan.groups:
-                dsc, E0, cb = I["desc"] + 8 * DESC * c0, Ec + 4 * H * c0, I["gcbeg"] + 8 * at
-                self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0, rot)
-                self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
-                             nb, H, cb, dsc, E0, S, h + 4 * b0 * H * per, S)
+                dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
+                if tc:
+                    self._launch(s, "mb_fast_m3_state_k", (nb * H * 4,), M3S_THREADS, H, cb, dsc,
+                                 ks, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S, smem=M3S_SMEM)
+                else:
+                    E0 = Ec + 4 * H * c0
+                    self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0)
+                    self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
+                                 nb, H, cb, dsc, E0, S, hb, S)
                 self.m3_y(s, tc, nc, H, dsc, di, di, qs, ks, V, DT, SIG, ADT, QKG, S, D, z, z,
                           rot)
             # reports of each row's last token, then the working chunk into the state
@@ -415,7 +425,7 @@ class SsdMixin:
             for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Ec, *((Bn, Cn, TH) if tc else ()))
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, *((Bn, Cn, TH) if tc else (Ec,)))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -438,18 +448,18 @@ class SsdMixin:
         """The chunk contraction and output kernels of m3_fold and m3_y."""
         return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
 
-    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=()):
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E):
         """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
-        tc: fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when
-        new tokens' q and k are formed there (ssd3.cu)."""
+        tc: fast mode's tensor-core kernel."""
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
                      desc, H, K, V, DT, SIG, ADT, 0, S, E,
-                     *(_rot(rot) if tc else (0,)))  # the identical kernel's krow: ext rows
+                     *(() if tc else (0,)))  # the identical kernel's krow: ext rows
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):
-        """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc
-        and rot as for m3_fold."""
+        """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc:
+        fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when new
+        tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
                      *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else 0)

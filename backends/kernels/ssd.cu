@@ -366,9 +366,8 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
  * of (k_j[m] fm_j) (vp_j[p] fp_j), k_j = krow(j) (SSD_NS wide) and vp_j = vp + j ldv
  * (SSD_HP wide) copied as they are by cp.async into a ring of SSDF_STAGES stages of
  * SSDF_ROWS rows. Each thread readies the 16-byte pieces it copied itself once they
- * land (fix(j, m, x) may rewrite k_j's columns m..m + 3 first; then the factors, +0
- * from n to a whole stage, and the rounding to TF32), so one barrier a stage
- * suffices. The products run on m16n8k8 TF32 tiles: warp w of eight owns p = 16 (w %
+ * land (the factors, +0 from n to a whole stage, and the rounding to TF32), so one
+ * barrier a stage suffices. The products run on m16n8k8 TF32 tiles: warp w of eight owns p = 16 (w %
  * 4) + (0..15), the tile rows g and g + 8 being p = 2g and 2g + 1 there (one 8-byte
  * read), and m = 64 (w / 4) + (0..63), tile q's column g being m = 4g + q, or 32 + 4g +
  * q - 4 from q = 4 (two 16-byte reads a row). Pieces sit at 16-byte column c ^ 2 (j %
@@ -378,9 +377,9 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
 #define SSDF_ROWS 16
 #define SSDF_STAGES 3
 MB_DEV int ssdf_sw(int j, int m) { return m ^ 8 * (j % 4); } /* the swizzled column of m */
-template <class KRow, class Tables, class Fix>
+template <class KRow, class Tables>
 MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, const float *fm,
-                          const float *fp, float *o, Tables tables, Fix fix)
+                          const float *fp, float *o, Tables tables)
 {
     static_assert(2 * SSD_FOLD_THREADS == SSDF_ROWS * SSD_NS / 4, "two k pieces a thread");
     static_assert(SSD_FOLD_THREADS == SSDF_ROWS * SSD_HP / 4, "one v piece a thread");
@@ -420,11 +419,7 @@ MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, co
 #pragma unroll
         for (int u = 0; u < 2; u++) {
             const int r = kr + 8 * u, j = st * SSDF_ROWS + r;
-            float4 *x = (float4 *)&K[r][ssdf_sw(r, km)];
-            float4 v = *x;
-            fix(j, km, v);
-            ready(&v.x, fm[j]);
-            *x = v;
+            ready(&K[r][ssdf_sw(r, km)], fm[j]);
         }
         ready(&V[vr][ssdf_sw(vr, vm)], fp[st * SSDF_ROWS + vr]);
         __syncthreads(); /* stage st is ready for all; the slot refilled next is consumed */

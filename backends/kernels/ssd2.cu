@@ -128,8 +128,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
                 dec[j] = j < n ? __expf(last - csc[j]) : 0.0f;
                 dts[j] = j < n ? dt[ch * M2Q + j] : 0.0f;
             }
-        },
-        [](int, int, float4 &) {});
+        });
     if (threadIdx.x == 0) E[ch] = mb_exp(csc[n - 1]);
 }
 #endif

@@ -445,46 +445,169 @@ MB_DEV float4 m3_turns(const float *th, int p)
     return make_float4(u.x, u.y, v.x, v.y);
 }
 
-/* Columns 2p .. 2p + 3 of a new row, x: pairs p and p + 1 biased by b and turned by
- * z (m3_turns). */
-MB_DEV float4 m3_fix_piece(float4 x, const float2 *b, int p, float4 z)
+/* Four columns of a new row, x: its two pairs biased by b and turned by z (m3_turns). */
+MB_DEV float4 m3_fix_piece(float4 x, float4 b, float4 z)
 {
-    const float2 u = m3_rot2(make_float2(x.x, x.y), b[p], make_float2(z.x, z.y));
-    const float2 v = m3_rot2(make_float2(x.z, x.w), b[p + 1], make_float2(z.z, z.w));
+    const float2 u = m3_rot2(make_float2(x.x, x.y), make_float2(b.x, b.y), make_float2(z.x, z.y));
+    const float2 v = m3_rot2(make_float2(x.z, x.w), make_float2(b.z, b.w), make_float2(z.z, z.w));
     return make_float4(u.x, u.y, v.x, v.y);
 }
 
-/* mb_m3_fold_k in fast mode (sealed chunks, without hin): ssd_fast_fold of k's rows
- * times scale_j and v's rows times dec_j. */
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS, M3_ROT_PARAMS)
+/* mb_m3_fold_k in fast mode (sealed chunks, without hin; the backward's, its q and k
+ * in Q and K): ssd_fast_fold of k's rows times scale_j and v's rows times dec_j. */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS)
 {
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q];
-    __shared__ __align__(16) float th[M3Q][M3A];
-    __shared__ __align__(16) float2 bias[2][SSD_NS / 2];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
+    const int64_t e0 = d[1], n = d[2];
     const int t = threadIdx.x;
     if (!d[5] || n == 0) return;
-    const float *k = K + ((TH ? d[0] * M3Q : e0) * H + h) * SSD_NS; /* with TH the state's */
+    const float *k = K + (e0 * H + h) * SSD_NS;
     ssd_fast_fold(
-        n, [&](int64_t j) { return TH && j >= r0 ? Bn + (tok0 + j) * SSD_NS : k + j * H * SSD_NS; },
-        V + (e0 * H + h) * SSD_HP, H * SSD_HP, sc, dec, out + ch * SSD_HP * SSD_NS,
-        [&] {
-            if (TH)
-                m3_fast_rot_tables(n, r0, tok0, H, h, TH, B_bias, C_bias, th, bias,
-                                   SSD_FOLD_THREADS);
+        n, [&](int64_t j) { return k + j * H * SSD_NS; }, V + (e0 * H + h) * SSD_HP, H * SSD_HP,
+        sc, dec, out + ch * SSD_HP * SSD_NS, [&] {
             m3_fast_tables(n, e0, H, h, true, DT, SIG, ADT, adt, sc, cs, suf);
-            if (TH) {
-                mb_cp_commit();
-                mb_cp_wait<0>(); /* the first stages with the tables */
-            }
             __syncthreads();
             if (t < M3Q) dec[t] = t < n ? __expf(suf[t + 1]) : 0.0f;
-        },
-        [&](int j, int m, float4 &x) {
-            if (TH && j >= r0 && j < n) x = m3_fix_piece(x, bias[1], m / 2, m3_turns(th[j], m / 2));
         });
     if (t == 0) E[ch] = mb_exp(cs[n - 1]);
+}
+
+/* Fast mode's fold and state pass in one (a forward's chunks): block (row bl of the
+ * group, head h, quarter qd of the state's columns), M3S_THREADS threads, walks the
+ * row's chunks [cbeg[bl], cbeg[bl + 1]) in order, its quarter of the state in
+ * registers: hck[c] receives the state entering chunk c, and a sealed chunk moves it
+ * on, h = fma(exp(cs_last), h, S), S the fold's contraction (mb_fast_m3_fold_k's
+ * terms) on m16n8k8 TF32 tiles, warp w owning p = 16 w + (0..15). The next chunk's
+ * rows copy by cp.async while a chunk computes (two chunks of M3S_SMEM dynamic
+ * shared memory); each thread readies what it copied itself (a new k row biased and
+ * turned by its angles, which it copies too; the factors; TF32), so there is no
+ * chunk-wide chain kernel and no S between kernels. h (B, H, HP, NS) ends as
+ * mb_ssd_chain_k leaves it. */
+#define M3S_THREADS 128
+#define M3S_LDV (SSD_HP + 8) /* 8 mod 32: the fragments of v^T on distinct banks */
+#define M3S_LDK 40           /* a quarter's 32 columns + 8, for k's fragments */
+#define M3S_TH (M3A / 2)     /* the angles of a quarter's pairs (quarters 0 and 1) */
+#define M3S_CHUNK (M3Q * (M3S_LDV + M3S_LDK + M3S_TH))
+#define M3S_SMEM (4 * 2 * M3S_CHUNK)
+MB_KERNEL void MB_BOUNDS(M3S_THREADS)
+mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K,
+                   const float *V, const float *DT, const float *SIG, const float *ADT,
+                   const float *Bn, const float *B_bias, const float *TH, float *h, float *hck)
+{
+    static_assert(M3S_THREADS == 2 * M3Q, "the tables' two warps and a piece layout");
+    extern __shared__ __align__(16) float sm[];
+    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1];
+    const int64_t bl = blockIdx.x / (4 * H), hh = blockIdx.x / 4 % H, per = SSD_HP * SSD_NS;
+    const int qd = blockIdx.x % 4, t = threadIdx.x, lane = t % 32, w = t / 32, g = lane / 4;
+    const int t4 = lane % 4, m0 = 32 * qd; /* the quarter's first column */
+    const int64_t c0 = cbeg[bl], c1 = cbeg[bl + 1];
+    /* thread t's pieces: v's rows t / 16 + 8 u at column vm, k's rows t / 8 + 16 u at
+     * the quarter's column km (pairs (m0 + km) / 2 + (0, 1)), with their angles */
+    const int vm = 4 * (t % 16), km = 4 * (t % 8), pp = (m0 + km) / 2;
+    const float4 kb = *(const float4 *)(B_bias + hh * SSD_NS + m0 + km);
+    auto slot = [&](int64_t c) { return sm + (c & 1) * M3S_CHUNK; };
+    auto issue = [&](int64_t c) { /* chunk c's rows into its slot, rows past n zero-filled */
+        const int64_t *d = desc + c * MB_DESC;
+        const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
+        float *Vs = slot(c), *Ks = Vs + M3Q * M3S_LDV, *Ts = Ks + M3Q * M3S_LDK;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int j = t / 16 + 8 * u;
+            mb_cp_async16(Vs + j * M3S_LDV + vm, V + ((e0 + (j < n ? j : 0)) * H + hh) * SSD_HP + vm,
+                          j < n ? 16 : 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = t / 8 + 16 * u;
+            const int64_t jc = j < n ? j : 0;
+            const float *src = jc >= r0 ? Bn + (tok0 + jc) * SSD_NS
+                                        : K + ((d[0] * M3Q + jc) * H + hh) * SSD_NS;
+            mb_cp_async16(Ks + j * M3S_LDK + km, src + m0 + km, j < n ? 16 : 0);
+            if (qd < 2 && j >= r0 && j < n)
+                for (int a = 0; a < 2; a++)
+                    mb_cp_async4(Ts + j * M3S_TH + km / 2 + a,
+                                 TH + ((tok0 + j) * H + hh) * M3A + pp + a, 4);
+        }
+    };
+    /* the state (accumulator layout): p = 16 w + g + 8 (e / 2), m = m0 + 8 q + 2 t4 + e % 2 */
+    float st[4][4];
+    auto at = [&](int q, int e) { return (16 * w + g + 8 * (e / 2)) * SSD_NS + m0 + 8 * q + 2 * t4; };
+    float *hs = h + (bl * H + hh) * per;
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            const float2 v = *(const float2 *)(hs + at(q, e));
+            st[q][e] = v.x, st[q][e + 1] = v.y;
+        }
+    if (c0 < c1) issue(c0);
+    mb_cp_commit();
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t *d = desc + c * MB_DESC;
+        const int64_t e0 = d[1], n = d[2], r0 = d[3];
+        float *o = hck + (c * H + hh) * per;
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
+        if (!d[5]) break; /* a row's open chunk, its last */
+        m3_fast_tables(n, e0, H, hh, true, DT, SIG, ADT, adt, sc, cs, suf);
+        __syncthreads(); /* the tables are published; the other slot is consumed */
+        if (c + 1 < c1 && desc[(c + 1) * MB_DESC + 5]) issue(c + 1);
+        mb_cp_commit();
+        mb_cp_wait<1>(); /* this thread's pieces of chunk c landed */
+        float *Vs = slot(c), *Ks = Vs + M3Q * M3S_LDV;
+        const float *Ts = Ks + M3Q * M3S_LDK;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int j = t / 16 + 8 * u;
+            float4 *x = (float4 *)(Vs + j * M3S_LDV + vm);
+            const float f = j < n ? __expf(suf[j + 1]) : 0.0f;
+            const float4 v = *x;
+            *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
+                             __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int j = t / 8 + 16 * u;
+            float4 *x = (float4 *)(Ks + j * M3S_LDK + km);
+            float4 v = *x;
+            if (j >= r0 && j < n) {
+                float4 z = make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+                if (qd < 2) {
+                    const float2 a = m3_turn(pp, Ts[j * M3S_TH + km / 2]);
+                    const float2 b = m3_turn(pp + 1, Ts[j * M3S_TH + km / 2 + 1]);
+                    z = make_float4(a.x, a.y, b.x, b.y);
+                }
+                v = m3_fix_piece(v, kb, z);
+            }
+            const float f = sc[j];
+            *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
+                             __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
+        }
+        const float E = mb_exp(cs[n - 1]);
+        __syncthreads(); /* chunk c is ready for all; the tables are read */
+        float acc[4][4] = {};
+        for (int k = 0; k < n; k += 8) {
+            const int kl = k + t4, kh = kl + 4, p = 16 * w + g;
+            const uint32_t a0 = __float_as_uint(Vs[kl * M3S_LDV + p]), a1 = __float_as_uint(Vs[kl * M3S_LDV + p + 8]);
+            const uint32_t a2 = __float_as_uint(Vs[kh * M3S_LDV + p]), a3 = __float_as_uint(Vs[kh * M3S_LDV + p + 8]);
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                mb_mma_tf32(acc[q], a0, a1, a2, a3, __float_as_uint(Ks[kl * M3S_LDK + 8 * q + g]),
+                            __float_as_uint(Ks[kh * M3S_LDK + 8 * q + g]));
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) st[q][e] = fmaf(E, st[q][e], acc[q][e]);
+    }
+    mb_cp_wait<0>();
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) *(float2 *)(hs + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
 }
 #endif
 
@@ -674,7 +797,7 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
         for (int which = 0; which < 3; which++) {
             float4 *px = (float4 *)&ring[st % M3Y_STAGES][which][cr][cm];
             float4 x = *px;
-            if (which < 2 && rnew) x = m3_fix_piece(x, bias[which], pp, z);
+            if (which < 2 && rnew) x = m3_fix_piece(x, *(const float4 *)&bias[which][pp], z);
             *px = make_float4(__uint_as_float(mb_tf32(x.x)), __uint_as_float(mb_tf32(x.y)),
                               __uint_as_float(mb_tf32(x.z)), __uint_as_float(mb_tf32(x.w)));
         }
