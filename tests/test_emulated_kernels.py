@@ -140,6 +140,18 @@ def test_mamba3_rows_in_groups(be, lane, monkeypatch):
     assert_same(got, lane(make("mamba3", backend="cpu"), "mamba3"), lane.__name__)
 
 
+@pytest.mark.parametrize("lane", [lane_forward, lane_split, lane_ragged],
+                         ids=lambda lane: lane.__name__[5:])
+def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
+    """Fast Mamba-3's state kernel takes the rows a group at a time too: every row a
+    group of its own gives the bits of one group (each block walks its own row's
+    chunks, whatever the group)."""
+    one = lane(make("mamba3", backend="cuda", numeric_mode="fast"), "mamba3")
+    monkeypatch.setattr(_cuda_ssd, "S_GROUP", 1)
+    got = lane(make("mamba3", backend="cuda", numeric_mode="fast"), "mamba3")
+    assert_same(got, one, lane.__name__)
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_profile_digest(be, name):
     assert run_digest(name, "cuda") == DIGESTS[name]
