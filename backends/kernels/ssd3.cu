@@ -396,28 +396,57 @@ MB_DEV void m3_warp_scan(float a0, float a1, float &s0, float &s1)
  * sum of adt over rows up to i and, where suf is given (M3Q + 1 floats), suf_j the
  * sum over rows from j on. A sum over rows (j, i] is one of these, or summed
  * directly: every adt is <= 0, so sums never cancel, but a difference of two could
- * lose all its digits. Published by the caller's next barrier. */
+ * lose all its digits. m3_tab_load reads a thread's inputs (threads below M3Q: its
+ * row's adt and scale, and two rows of warp 0's or 1's scan), m3_tab_store forms the
+ * tables from them, so a caller may load a chunk's while it computes another;
+ * published by the caller's next barrier. */
+struct M3Tab {
+    float adt, sc, a0, a1;
+};
+MB_DEV void m3_tab_rows(int &r0, int &r1) /* the scan's rows of a thread of warp 0 or 1 */
+{
+    const int l = threadIdx.x % 32;
+    r0 = threadIdx.x < 32 ? 2 * l : M3Q - 1 - 2 * l; /* warp 1: suf, from the last row */
+    r1 = threadIdx.x < 32 ? r0 + 1 : r0 - 1;
+}
+MB_DEV M3Tab m3_tab_load(int64_t n, int64_t e0, int64_t H, int64_t h, bool sealed,
+                         const float *DT, const float *SIG, const float *ADT)
+{
+    M3Tab v = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int t = threadIdx.x;
+    if (t >= M3Q) return v;
+    const int64_t e = (e0 + t) * H + h;
+    if (t < n) {
+        v.adt = ADT[e];
+        v.sc = m3_scale(DT, SIG, H, e, t + 1 < n || sealed);
+    }
+    int r0, r1;
+    m3_tab_rows(r0, r1);
+    v.a0 = r0 < n ? ADT[(e0 + r0) * H + h] : 0.0f;
+    v.a1 = r1 < n ? ADT[(e0 + r1) * H + h] : 0.0f;
+    return v;
+}
+MB_DEV void m3_tab_store(const M3Tab &v, float *adt, float *sc, float *cs, float *suf)
+{
+    const int t = threadIdx.x;
+    if (t >= M3Q) return;
+    adt[t] = v.adt;
+    sc[t] = v.sc;
+    if (t >= 32 && !suf) return;
+    int r0, r1;
+    m3_tab_rows(r0, r1);
+    float s0, s1;
+    m3_warp_scan(v.a0, v.a1, s0, s1);
+    float *o = t < 32 ? cs : suf;
+    o[r0] = s0;
+    o[r1] = s1;
+    if (t == 32) suf[M3Q] = 0.0f;
+}
 MB_DEV void m3_fast_tables(int64_t n, int64_t e0, int64_t H, int64_t h, bool sealed,
                            const float *DT, const float *SIG, const float *ADT, float *adt,
                            float *sc, float *cs, float *suf)
 {
-    const int t = threadIdx.x, l = t % 32;
-    if (t < M3Q) {
-        const int64_t e = (e0 + t) * H + h;
-        adt[t] = t < n ? ADT[e] : 0.0f;
-        sc[t] = t < n ? m3_scale(DT, SIG, H, e, t + 1 < n || sealed) : 0.0f;
-    }
-    if (t >= 64) return;
-    const bool up = t < 32; /* warp 0: cs; warp 1: suf, over the rows from the last */
-    if (!up && !suf) return;
-    const int r0 = up ? 2 * l : M3Q - 1 - 2 * l, r1 = up ? r0 + 1 : r0 - 1;
-    const int64_t e = (e0 + r0) * H + h, e1 = (e0 + r1) * H + h;
-    float s0, s1;
-    m3_warp_scan(r0 < n ? ADT[e] : 0.0f, r1 < n ? ADT[e1] : 0.0f, s0, s1);
-    float *o = up ? cs : suf;
-    o[r0] = s0;
-    o[r1] = s1;
-    if (!up && l == 0) suf[M3Q] = 0.0f;
+    m3_tab_store(m3_tab_load(n, e0, H, h, sealed, DT, SIG, ADT), adt, sc, cs, suf);
 }
 
 /* A chunk's angles of new rows (row j >= r0: token tok0 + j) into th[M3Q][M3A] (+0
@@ -541,20 +570,33 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             const float2 v = *(const float2 *)(hs + at(q, e));
             st[q][e] = v.x, st[q][e + 1] = v.y;
         }
-    if (c0 < c1) issue(c0);
+    /* a sealed chunk's rows and table inputs, loaded while the chunk before computes */
+    auto sealed = [&](int64_t c) { return c < c1 && desc[c * MB_DESC + 5] != 0; };
+    auto tab = [&](int64_t c) {
+        const int64_t *d = desc + c * MB_DESC;
+        return m3_tab_load(d[2], d[1], H, hh, true, DT, SIG, ADT);
+    };
+    M3Tab next = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (sealed(c0)) {
+        issue(c0);
+        next = tab(c0);
+    }
     mb_cp_commit();
     for (int64_t c = c0; c < c1; c++) {
         const int64_t *d = desc + c * MB_DESC;
-        const int64_t e0 = d[1], n = d[2], r0 = d[3];
+        const int64_t n = d[2], r0 = d[3];
         float *o = hck + (c * H + hh) * per;
 #pragma unroll
         for (int q = 0; q < 4; q++)
 #pragma unroll
             for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
         if (!d[5]) break; /* a row's open chunk, its last */
-        m3_fast_tables(n, e0, H, hh, true, DT, SIG, ADT, adt, sc, cs, suf);
+        m3_tab_store(next, adt, sc, cs, suf);
         __syncthreads(); /* the tables are published; the other slot is consumed */
-        if (c + 1 < c1 && desc[(c + 1) * MB_DESC + 5]) issue(c + 1);
+        if (sealed(c + 1)) {
+            issue(c + 1);
+            next = tab(c + 1);
+        }
         mb_cp_commit();
         mb_cp_wait<1>(); /* this thread's pieces of chunk c landed */
         float *Vs = slot(c), *Ks = Vs + M3Q * M3S_LDV;
