@@ -507,44 +507,43 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
  * row's chunks [cbeg[bl], cbeg[bl + 1]) in order, its quarter of the state in
  * registers: hck[c] receives the state entering chunk c, and a sealed chunk moves it
  * on, h = fma(exp(cs_last), h, S), S the fold's contraction (mb_fast_m3_fold_k's
- * terms) on m16n8k8 TF32 tiles, warp w owning p = 16 w + (0..15). The next chunk's
- * rows copy by cp.async while a chunk computes (two chunks of M3S_SMEM dynamic
- * shared memory); each thread readies what it copied itself (a new k row biased and
- * turned by its angles, which it copies too; the factors; TF32), so there is no
- * chunk-wide chain kernel and no S between kernels. h (B, H, HP, NS) ends as
- * mb_ssd_chain_k leaves it. */
+ * terms) on m16n8k8 TF32 tiles, warp w owning p = 16 w + (0..15). A chunk's rows
+ * copy by cp.async, and its table inputs and new k rows' angles load into registers,
+ * while the chunk before computes (two chunks of M3S_SMEM dynamic shared memory,
+ * rows' 16-byte pieces swizzled as in ssd_fast_fold: four blocks fit a
+ * multiprocessor); each thread readies what it copied itself (a new k row biased
+ * and turned, the factors, TF32), so there is no chain kernel and no S between
+ * kernels. h (B, H, HP, NS) ends as mb_ssd_chain_k leaves it. */
 #define M3S_THREADS 128
-#define M3S_LDV (SSD_HP + 8) /* 8 mod 32: the fragments of v^T on distinct banks */
-#define M3S_LDK 40           /* a quarter's 32 columns + 8, for k's fragments */
-#define M3S_TH (M3A / 2)     /* the angles of a quarter's pairs (quarters 0 and 1) */
-#define M3S_CHUNK (M3Q * (M3S_LDV + M3S_LDK + M3S_TH))
+#define M3S_CHUNK (M3Q * (SSD_HP + SSD_NS / 4)) /* v's rows, then a quarter of k's */
 #define M3S_SMEM (4 * 2 * M3S_CHUNK)
-MB_KERNEL void MB_BOUNDS(M3S_THREADS)
+MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 4)
 mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K,
                    const float *V, const float *DT, const float *SIG, const float *ADT,
                    const float *Bn, const float *B_bias, const float *TH, float *h, float *hck)
 {
     static_assert(M3S_THREADS == 2 * M3Q, "the tables' two warps and a piece layout");
+    constexpr int LK = SSD_NS / 4; /* a k row's floats: the quarter's columns */
     extern __shared__ __align__(16) float sm[];
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1];
     const int64_t bl = blockIdx.x / (4 * H), hh = blockIdx.x / 4 % H, per = SSD_HP * SSD_NS;
     const int qd = blockIdx.x % 4, t = threadIdx.x, lane = t % 32, w = t / 32, g = lane / 4;
-    const int t4 = lane % 4, m0 = 32 * qd; /* the quarter's first column */
+    const int t4 = lane % 4, m0 = LK * qd; /* the quarter's first column */
     const int64_t c0 = cbeg[bl], c1 = cbeg[bl + 1];
     /* thread t's pieces: v's rows t / 16 + 8 u at column vm, k's rows t / 8 + 16 u at
-     * the quarter's column km (pairs (m0 + km) / 2 + (0, 1)), with their angles */
+     * the quarter's column km (pairs (m0 + km) / 2 + (0, 1)) */
     const int vm = 4 * (t % 16), km = 4 * (t % 8), pp = (m0 + km) / 2;
     const float4 kb = *(const float4 *)(B_bias + hh * SSD_NS + m0 + km);
-    auto slot = [&](int64_t c) { return sm + (c & 1) * M3S_CHUNK; };
-    auto issue = [&](int64_t c) { /* chunk c's rows into its slot, rows past n zero-filled */
+    auto sealed = [&](int64_t c) { return c < c1 && desc[c * MB_DESC + 5] != 0; };
+    auto issue = [&](int64_t c, float (&ang)[4][2]) { /* rows past n zero-filled */
         const int64_t *d = desc + c * MB_DESC;
         const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
-        float *Vs = slot(c), *Ks = Vs + M3Q * M3S_LDV, *Ts = Ks + M3Q * M3S_LDK;
+        float *Vs = sm + (c & 1) * M3S_CHUNK, *Ks = Vs + M3Q * SSD_HP;
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             const int j = t / 16 + 8 * u;
-            mb_cp_async16(Vs + j * M3S_LDV + vm, V + ((e0 + (j < n ? j : 0)) * H + hh) * SSD_HP + vm,
-                          j < n ? 16 : 0);
+            mb_cp_async16(Vs + j * SSD_HP + ssdf_sw(j, vm),
+                          V + ((e0 + (j < n ? j : 0)) * H + hh) * SSD_HP + vm, j < n ? 16 : 0);
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
@@ -552,12 +551,13 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             const int64_t jc = j < n ? j : 0;
             const float *src = jc >= r0 ? Bn + (tok0 + jc) * SSD_NS
                                         : K + ((d[0] * M3Q + jc) * H + hh) * SSD_NS;
-            mb_cp_async16(Ks + j * M3S_LDK + km, src + m0 + km, j < n ? 16 : 0);
-            if (qd < 2 && j >= r0 && j < n)
-                for (int a = 0; a < 2; a++)
-                    mb_cp_async4(Ts + j * M3S_TH + km / 2 + a,
-                                 TH + ((tok0 + j) * H + hh) * M3A + pp + a, 4);
+            mb_cp_async16(Ks + j * LK + ssdf_sw(j, km), src + m0 + km, j < n ? 16 : 0);
+            const bool turn = pp < M3A && j >= r0 && j < n;
+            const float *a = TH + ((tok0 + (turn ? j : r0)) * H + hh) * M3A + pp % M3A;
+            ang[u][0] = turn ? a[0] : 0.0f;
+            ang[u][1] = turn ? a[1] : 0.0f;
         }
+        return m3_tab_load(n, e0, H, hh, true, DT, SIG, ADT);
     };
     /* the state (accumulator layout): p = 16 w + g + 8 (e / 2), m = m0 + 8 q + 2 t4 + e % 2 */
     float st[4][4];
@@ -570,17 +570,9 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             const float2 v = *(const float2 *)(hs + at(q, e));
             st[q][e] = v.x, st[q][e + 1] = v.y;
         }
-    /* a sealed chunk's rows and table inputs, loaded while the chunk before computes */
-    auto sealed = [&](int64_t c) { return c < c1 && desc[c * MB_DESC + 5] != 0; };
-    auto tab = [&](int64_t c) {
-        const int64_t *d = desc + c * MB_DESC;
-        return m3_tab_load(d[2], d[1], H, hh, true, DT, SIG, ADT);
-    };
+    float ang[4][2] = {}, nang[4][2] = {}; /* chunk c's angles, the next chunk's */
     M3Tab next = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (sealed(c0)) {
-        issue(c0);
-        next = tab(c0);
-    }
+    if (sealed(c0)) next = issue(c0, nang);
     mb_cp_commit();
     for (int64_t c = c0; c < c1; c++) {
         const int64_t *d = desc + c * MB_DESC;
@@ -592,19 +584,17 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
         if (!d[5]) break; /* a row's open chunk, its last */
         m3_tab_store(next, adt, sc, cs, suf);
+#pragma unroll
+        for (int u = 0; u < 4; u++) ang[u][0] = nang[u][0], ang[u][1] = nang[u][1];
         __syncthreads(); /* the tables are published; the other slot is consumed */
-        if (sealed(c + 1)) {
-            issue(c + 1);
-            next = tab(c + 1);
-        }
+        if (sealed(c + 1)) next = issue(c + 1, nang);
         mb_cp_commit();
         mb_cp_wait<1>(); /* this thread's pieces of chunk c landed */
-        float *Vs = slot(c), *Ks = Vs + M3Q * M3S_LDV;
-        const float *Ts = Ks + M3Q * M3S_LDK;
+        float *Vs = sm + (c & 1) * M3S_CHUNK, *Ks = Vs + M3Q * SSD_HP;
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             const int j = t / 16 + 8 * u;
-            float4 *x = (float4 *)(Vs + j * M3S_LDV + vm);
+            float4 *x = (float4 *)(Vs + j * SSD_HP + ssdf_sw(j, vm));
             const float f = j < n ? __expf(suf[j + 1]) : 0.0f;
             const float4 v = *x;
             *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
@@ -613,16 +603,11 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int j = t / 8 + 16 * u;
-            float4 *x = (float4 *)(Ks + j * M3S_LDK + km);
+            float4 *x = (float4 *)(Ks + j * LK + ssdf_sw(j, km));
             float4 v = *x;
             if (j >= r0 && j < n) {
-                float4 z = make_float4(1.0f, 0.0f, 1.0f, 0.0f);
-                if (qd < 2) {
-                    const float2 a = m3_turn(pp, Ts[j * M3S_TH + km / 2]);
-                    const float2 b = m3_turn(pp + 1, Ts[j * M3S_TH + km / 2 + 1]);
-                    z = make_float4(a.x, a.y, b.x, b.y);
-                }
-                v = m3_fix_piece(v, kb, z);
+                const float2 za = m3_turn(pp, ang[u][0]), zb = m3_turn(pp + 1, ang[u][1]);
+                v = m3_fix_piece(v, kb, make_float4(za.x, za.y, zb.x, zb.y));
             }
             const float f = sc[j];
             *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
@@ -631,14 +616,16 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
         const float E = mb_exp(cs[n - 1]);
         __syncthreads(); /* chunk c is ready for all; the tables are read */
         float acc[4][4] = {};
-        for (int k = 0; k < n; k += 8) {
-            const int kl = k + t4, kh = kl + 4, p = 16 * w + g;
-            const uint32_t a0 = __float_as_uint(Vs[kl * M3S_LDV + p]), a1 = __float_as_uint(Vs[kl * M3S_LDV + p + 8]);
-            const uint32_t a2 = __float_as_uint(Vs[kh * M3S_LDV + p]), a3 = __float_as_uint(Vs[kh * M3S_LDV + p + 8]);
+        const int p = 16 * w + g;
+        for (int k = 0; k < n; k += 8) { /* rows kl, kh: kl % 4 == kh % 4 == t4 */
+            const float *vl = Vs + (k + t4) * SSD_HP, *vh = vl + 4 * SSD_HP;
+            const float *kl = Ks + (k + t4) * LK, *kh = kl + 4 * LK;
+            const uint32_t a0 = __float_as_uint(vl[ssdf_sw(t4, p)]), a1 = __float_as_uint(vl[ssdf_sw(t4, p + 8)]);
+            const uint32_t a2 = __float_as_uint(vh[ssdf_sw(t4, p)]), a3 = __float_as_uint(vh[ssdf_sw(t4, p + 8)]);
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                mb_mma_tf32(acc[q], a0, a1, a2, a3, __float_as_uint(Ks[kl * M3S_LDK + 8 * q + g]),
-                            __float_as_uint(Ks[kh * M3S_LDK + 8 * q + g]));
+                mb_mma_tf32(acc[q], a0, a1, a2, a3, __float_as_uint(kl[ssdf_sw(t4, 8 * q + g)]),
+                            __float_as_uint(kh[ssdf_sw(t4, 8 * q + g)]));
         }
 #pragma unroll
         for (int q = 0; q < 4; q++)
