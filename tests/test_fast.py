@@ -107,7 +107,8 @@ def test_fast_split_prefill_within_bound(name, backend):
     x = np.random.default_rng(9).standard_normal((B, T, DM)).astype(np.float32)
     want = oracle(name, w, x)
     st = blk.allocate_state(B)
-    blk.forward(np.ascontiguousarray(x[:, :P]), st)
+    y = np.asarray(blk.forward(np.ascontiguousarray(x[:, :P]), st))
+    check(y, x[:, :P], want[:, :P], f"{name} first prefill {backend}")
     y = np.asarray(blk.forward(np.ascontiguousarray(x[:, P:Q]), st))
     check(y, x[:, P:Q], want[:, P:Q], f"{name} continued prefill {backend}")
     ys = [np.asarray(blk.step(np.ascontiguousarray(x[:, t:t + 1]), st)) for t in range(Q, T)]

@@ -377,6 +377,12 @@ MB_DEV void ssd_fold(int64_t n, FA a, FB b, Out out, float (*sA)[SSD_NS], float 
 #define SSDF_ROWS 16
 #define SSDF_STAGES 3
 MB_DEV int ssdf_sw(int j, int m) { return m ^ 8 * (j % 4); } /* the swizzled column of m */
+/* v times f, each rounded to TF32 (the bits mb_mma_tf32 takes, kept as floats) */
+MB_DEV float4 ssdf_ready(float4 v, float f)
+{
+    return make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
+                       __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
+}
 template <class KRow, class Tables>
 MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, const float *fm,
                           const float *fp, float *o, Tables tables)
@@ -401,9 +407,7 @@ MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, co
         mb_cp_async16(&sv[st % SSDF_STAGES][vr][ssdf_sw(vr, vm)], vp + (j < n ? j : 0) * ldv + vm,
                       j < n ? 16 : 0);
     };
-    auto ready = [&](float *x, float f) {
-        for (int i = 0; i < 4; i++) x[i] = __uint_as_float(mb_tf32(x[i] * f));
-    };
+    auto ready = [&](float *x, float f) { *(float4 *)x = ssdf_ready(*(const float4 *)x, f); };
     for (int st = 0; st < SSDF_STAGES - 1; st++) {
         if (st < steps) issue(st);
         mb_cp_commit();

@@ -409,7 +409,7 @@ MB_DEV void m3_tab_rows(int &r0, int &r1) /* the scan's rows of a thread of warp
     r0 = threadIdx.x < 32 ? 2 * l : M3Q - 1 - 2 * l; /* warp 1: suf, from the last row */
     r1 = threadIdx.x < 32 ? r0 + 1 : r0 - 1;
 }
-MB_DEV M3Tab m3_tab_load(int64_t n, int64_t e0, int64_t H, int64_t h, bool sealed,
+MB_DEV M3Tab m3_tab_load(int64_t n, int64_t e0, int64_t H, int64_t h, bool sealed, bool suf,
                          const float *DT, const float *SIG, const float *ADT)
 {
     M3Tab v = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -420,6 +420,7 @@ MB_DEV M3Tab m3_tab_load(int64_t n, int64_t e0, int64_t H, int64_t h, bool seale
         v.adt = ADT[e];
         v.sc = m3_scale(DT, SIG, H, e, t + 1 < n || sealed);
     }
+    if (t >= 32 && !suf) return v;
     int r0, r1;
     m3_tab_rows(r0, r1);
     v.a0 = r0 < n ? ADT[(e0 + r0) * H + h] : 0.0f;
@@ -446,7 +447,7 @@ MB_DEV void m3_fast_tables(int64_t n, int64_t e0, int64_t H, int64_t h, bool sea
                            const float *DT, const float *SIG, const float *ADT, float *adt,
                            float *sc, float *cs, float *suf)
 {
-    m3_tab_store(m3_tab_load(n, e0, H, h, sealed, DT, SIG, ADT), adt, sc, cs, suf);
+    m3_tab_store(m3_tab_load(n, e0, H, h, sealed, suf, DT, SIG, ADT), adt, sc, cs, suf);
 }
 
 /* A chunk's angles of new rows (row j >= r0: token tok0 + j) into th[M3Q][M3A] (+0
@@ -467,10 +468,10 @@ MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, i
     }
 }
 
-/* The turns of pairs p and p + 1 of a new row at angles th: cos and sin of each. */
-MB_DEV float4 m3_turns(const float *th, int p)
+/* The turns of pairs p and p + 1 of a new row at angles a and b: cos and sin of each. */
+MB_DEV float4 m3_turns(int p, float a, float b)
 {
-    const float2 u = m3_turn(p, th[p % M3A]), v = m3_turn(p + 1, th[(p + 1) % M3A]);
+    const float2 u = m3_turn(p, a), v = m3_turn(p + 1, b);
     return make_float4(u.x, u.y, v.x, v.y);
 }
 
@@ -557,11 +558,17 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             ang[u][0] = turn ? a[0] : 0.0f;
             ang[u][1] = turn ? a[1] : 0.0f;
         }
-        return m3_tab_load(n, e0, H, hh, true, DT, SIG, ADT);
+        return m3_tab_load(n, e0, H, hh, true, true, DT, SIG, ADT);
     };
     /* the state (accumulator layout): p = 16 w + g + 8 (e / 2), m = m0 + 8 q + 2 t4 + e % 2 */
     float st[4][4];
     auto at = [&](int q, int e) { return (16 * w + g + 8 * (e / 2)) * SSD_NS + m0 + 8 * q + 2 * t4; };
+    auto put = [&](float *o) { /* the state into a (HP, NS) array */
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
+    };
     float *hs = h + (bl * H + hh) * per;
 #pragma unroll
     for (int q = 0; q < 4; q++)
@@ -577,11 +584,7 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
     for (int64_t c = c0; c < c1; c++) {
         const int64_t *d = desc + c * MB_DESC;
         const int64_t n = d[2], r0 = d[3];
-        float *o = hck + (c * H + hh) * per;
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
+        put(hck + (c * H + hh) * per);
         if (!d[5]) break; /* a row's open chunk, its last */
         m3_tab_store(next, adt, sc, cs, suf);
 #pragma unroll
@@ -595,23 +598,15 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
         for (int u = 0; u < 8; u++) {
             const int j = t / 16 + 8 * u;
             float4 *x = (float4 *)(Vs + j * SSD_HP + ssdf_sw(j, vm));
-            const float f = j < n ? __expf(suf[j + 1]) : 0.0f;
-            const float4 v = *x;
-            *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
-                             __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
+            *x = ssdf_ready(*x, j < n ? __expf(suf[j + 1]) : 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int j = t / 8 + 16 * u;
             float4 *x = (float4 *)(Ks + j * LK + ssdf_sw(j, km));
             float4 v = *x;
-            if (j >= r0 && j < n) {
-                const float2 za = m3_turn(pp, ang[u][0]), zb = m3_turn(pp + 1, ang[u][1]);
-                v = m3_fix_piece(v, kb, make_float4(za.x, za.y, zb.x, zb.y));
-            }
-            const float f = sc[j];
-            *x = make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
-                             __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
+            if (j >= r0 && j < n) v = m3_fix_piece(v, kb, m3_turns(pp, ang[u][0], ang[u][1]));
+            *x = ssdf_ready(v, sc[j]);
         }
         const float E = mb_exp(cs[n - 1]);
         __syncthreads(); /* chunk c is ready for all; the tables are read */
@@ -633,10 +628,7 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
             for (int e = 0; e < 4; e++) st[q][e] = fmaf(E, st[q][e], acc[q][e]);
     }
     mb_cp_wait<0>();
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) *(float2 *)(hs + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
+    put(hs);
 }
 #endif
 
@@ -821,14 +813,14 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     for (int st = 0; st < steps; st++) {
         mb_cp_wait<M3Y_STAGES - 2>(); /* this thread's pieces of stage st landed */
         const int pp = (M3Y_K * st + cm) / 2;
-        const float4 z = rnew ? m3_turns(th[cr], pp) : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
+        const float4 z = rnew ? m3_turns(pp, th[cr][pp % M3A], th[cr][(pp + 1) % M3A])
+                              : make_float4(1.0f, 0.0f, 1.0f, 0.0f);
 #pragma unroll
         for (int which = 0; which < 3; which++) {
             float4 *px = (float4 *)&ring[st % M3Y_STAGES][which][cr][cm];
             float4 x = *px;
             if (which < 2 && rnew) x = m3_fix_piece(x, *(const float4 *)&bias[which][pp], z);
-            *px = make_float4(__uint_as_float(mb_tf32(x.x)), __uint_as_float(mb_tf32(x.y)),
-                              __uint_as_float(mb_tf32(x.z)), __uint_as_float(mb_tf32(x.w)));
+            *px = ssdf_ready(x, 1.0f);
         }
         __syncthreads(); /* stage st is ready for all; the slot refilled next is consumed */
         if (st + M3Y_STAGES - 1 < steps) issue(st + M3Y_STAGES - 1);
