@@ -217,10 +217,12 @@ MB_DEV float2 m3_turn(int p, float th)
  * new tokens (runs of ceil(T / M3R_RUNS)). Pass 1 walks each run's increments ta *
  * dt from 0 (the recurrence's own mod 2 pi every token, M3R_AHEAD increments loaded
  * together); the runs' starting angles follow serially in shared memory; pass 2 walks
- * each run again from its start, writing every token's angle into TH and, in the
- * row's last chunk, its rotated q and k (__sincosf) into Q and K, (B, M3Q, H,
- * SSD_NS) that hold the last chunks alone. theta and theta_last as mb_m3_angles_k
- * writes them. Two blocks a multiprocessor: the walks are chains of dependent adds. */
+ * each run again from its start, writing every token's angle into TH, and those of
+ * the row's last chunk into shared memory, from which the whole block writes their
+ * rotated q and k (__sincosf) into Q and K, (B, M3Q, H, SSD_NS) that hold the last
+ * chunks alone: one run's serial walk would wait on each token's loads. theta and
+ * theta_last as mb_m3_angles_k writes them. Two blocks a multiprocessor: the walks
+ * are chains of dependent adds. */
 #define M3R_ANG 8
 #define M3R_RUNS 64
 #define M3R_AHEAD 8 /* increments loaded together */
@@ -230,7 +232,7 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
                     float *TH, const float *Bn, const float *Cn, const float *B_bias,
                     const float *C_bias, float *Q, float *K, float *theta_last)
 {
-    __shared__ float start[M3R_RUNS][M3R_ANG];
+    __shared__ float start[M3R_RUNS][M3R_ANG], last[M3Q][M3R_ANG];
     constexpr int G = M3A / M3R_ANG;
     const int64_t b = blockIdx.x / (H * G), h = blockIdx.x / G % H;
     const int ai = threadIdx.x % M3R_ANG, u = threadIdx.x / M3R_ANG;
@@ -267,22 +269,24 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     }
     __syncthreads();
     float th = start[u][ai];
-    const int64_t tm = tr < ta ? ta : tr < tb ? tr : tb; /* the run's tokens in the last chunk: [tm, tb) */
-    walk(ta, tm, [&](int64_t t, float d) {
+    walk(ta, tb, [&](int64_t t, float d) {
         th = mb_mod2pi(th + d);
         TH[((o + t) * H + h) * M3A + r] = th;
+        if (t >= tr) last[t - tr][ai] = th;
     });
+    __syncthreads();
+    const int64_t t1 = tr < 0 ? 0 : tr; /* the last chunk's new tokens: [t1, T) */
     const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
-    for (int64_t t = tm; t < tb; t++) {
+    for (int64_t i = threadIdx.x; i < (T - t1) * M3R_ANG; i += blockDim.x) {
+        const int64_t t = t1 + i / M3R_ANG;
+        const int a = (int)(i % M3R_ANG), ra = r - ai + a;
         const float *c = Cn + (o + t) * SSD_NS, *k = Bn + (o + t) * SSD_NS;
-        th = mb_mod2pi(th + inc(t));
-        TH[((o + t) * H + h) * M3A + r] = th;
-        const float2 z = m3_turn(r, th), one = make_float2(1.0f, 0.0f);
+        const float2 z = m3_turn(ra, last[t - tr][a]), one = make_float2(1.0f, 0.0f);
         const int64_t row = (b * M3Q + t - tr) * H + h; /* the last chunk's rows alone */
         float *qo = Q + row * SSD_NS, *ko = K + row * SSD_NS;
 #pragma unroll
-        for (int w = 0; w < 2; w++) { /* pair r (turned), then pair M3A + r (biased only) */
-            const int m = 2 * (r + M3A * w);
+        for (int w = 0; w < 2; w++) { /* pair ra (turned), then pair M3A + ra (biased only) */
+            const int m = 2 * (ra + M3A * w);
             *(float2 *)(qo + m) = m3_rot2(*(const float2 *)(c + m), *(const float2 *)(cb + m), w ? one : z);
             *(float2 *)(ko + m) = m3_rot2(*(const float2 *)(k + m), *(const float2 *)(kb + m), w ? one : z);
         }
