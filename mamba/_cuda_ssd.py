@@ -32,15 +32,15 @@ TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
-M3S_THREADS = 128  # ssd3.cu: mb_fast_m3_state_k, a block a row, head and quarter of columns
-M3S_SMEM = 4 * 2 * 64 * (64 + 32)
-# the kernels launched with more than the default 48 KiB of shared memory, static
-# included (the state kernel's 48 KiB sit beside its static tables): their bound
-SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_fast_m3_state_k": M3S_SMEM + 1024}
+M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block), m3s_smem
+M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
+M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
+# the kernels launched with more than the default 48 KiB of shared memory: their bound
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
-S_GROUP = 1 << 26  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
+S_GROUP = 1 << 27  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
@@ -335,7 +335,7 @@ class SsdMixin:
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
                      "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc),
-                     *(("mb_fast_m3_angles_k", "mb_fast_m3_state_k") if tc else ()))
+                     *(("mb_fast_m3_angles_k", *M3S.values()) if tc else ()))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -409,8 +409,10 @@ class SsdMixin:
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
                 if tc:
-                    self._launch(s, "mb_fast_m3_state_k", (nb * H * 4,), M3S_THREADS, H, cb, dsc,
-                                 ks, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S, smem=M3S_SMEM)
+                    parts = self.m3_state_parts(nb * H)
+                    self._launch(s, M3S[parts], (nb * H * parts,), M3S_THREADS, H, cb, dsc,
+                                 ks, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
+                                 smem=M3S_SMEM[parts])
                 else:
                     E0 = Ec + 4 * H * c0
                     self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0)
@@ -444,6 +446,11 @@ class SsdMixin:
                      B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
                      bt, bt + 4 * NS * H, DT, SIG, ADT, QKG, TA)
         _release(sc, bt)
+
+    def m3_state_parts(self, rows):
+        """The state kernel's blocks a (row, head): two (each half the state's rows p)
+        where rows alone would leave multiprocessors idle. Both give the same bits."""
+        return 1 if rows >= self.sms else 2
 
     @classmethod
     def m3_chunk_kernels(cls, tc):

@@ -145,8 +145,11 @@ def test_mamba3_rows_in_groups(be, lane, monkeypatch):
 def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
     """Fast Mamba-3's state kernel takes the rows a group at a time too: every row a
     group of its own gives the bits of one group (each block walks its own row's
-    chunks, whatever the group)."""
+    chunks, whatever the group), and so does each state split between two blocks
+    (the kernel for rows too few to fill the device) against whole states."""
+    monkeypatch.setattr(_cuda_ssd.SsdMixin, "m3_state_parts", lambda self, rows: 1)
     one = lane(make("mamba3", backend="cuda", numeric_mode="fast"), "mamba3")
+    monkeypatch.setattr(_cuda_ssd.SsdMixin, "m3_state_parts", lambda self, rows: 2)
     monkeypatch.setattr(_cuda_ssd, "S_GROUP", 1)
     got = lane(make("mamba3", backend="cuda", numeric_mode="fast"), "mamba3")
     assert_same(got, one, lane.__name__)

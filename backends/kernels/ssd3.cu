@@ -508,78 +508,89 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
 }
 
 /* Fast mode's fold and state pass in one (a forward's chunks): block (row bl of the
- * group, head h, quarter qd of the state's columns), M3S_THREADS threads, walks the
- * row's chunks [cbeg[bl], cbeg[bl + 1]) in order, its quarter of the state in
+ * group, head h, part s of QS of the state's rows p), M3S_THREADS threads, walks the
+ * row's chunks [cbeg[bl], cbeg[bl + 1]) in order, its part of the state in
  * registers: hck[c] receives the state entering chunk c, and a sealed chunk moves it
  * on, h = fma(exp(cs_last), h, S), S the fold's contraction (mb_fast_m3_fold_k's
- * terms) on m16n8k8 TF32 tiles, warp w owning p = 16 w + (0..15). A chunk's rows
- * copy by cp.async, and its table inputs and new k rows' angles load into registers,
- * while the chunk before computes (two chunks of M3S_SMEM dynamic shared memory,
- * rows' 16-byte pieces swizzled as in ssd_fast_fold: four blocks fit a
- * multiprocessor); each thread readies what it copied itself (a new k row biased
- * and turned, the factors, TF32), so there is no chain kernel and no S between
- * kernels. h (B, H, HP, NS) ends as mb_ssd_chain_k leaves it. */
-#define M3S_THREADS 128
-#define M3S_CHUNK (M3Q * (SSD_HP + SSD_NS / 4)) /* v's rows, then a quarter of k's */
-#define M3S_SMEM (4 * 2 * M3S_CHUNK)
-MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 4)
-mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K,
-                   const float *V, const float *DT, const float *SIG, const float *ADT,
-                   const float *Bn, const float *B_bias, const float *TH, float *h, float *hck)
+ * terms) on ssd_fast_fold's tiles and reads (warp w: p = 16 (w % (4 / QS)) + (0..15)
+ * of the part, 64 / QS columns m from 64 / QS (w / (4 / QS))). A chunk's rows copy by
+ * cp.async, and its table inputs and new k rows' angles load into registers, while
+ * the chunk before computes (two chunks of dynamic shared memory, m3s_smem); each
+ * thread readies what it copied itself (a new k row's turned and biased-only
+ * halves, the factors, TF32), so there is no chain kernel and no S between kernels.
+ * QS = 2 halves the work a block for rows too few to fill the device. h (B, H, HP,
+ * NS) ends as mb_ssd_chain_k leaves it. */
+#define M3S_THREADS SSD_FOLD_THREADS
+template <int QS> MB_DEV constexpr int m3s_smem() { return 4 * 2 * M3Q * (SSD_HP / QS + SSD_NS); }
+template <int QS>
+MB_DEV void m3_state(int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K,
+                     const float *V, const float *DT, const float *SIG, const float *ADT,
+                     const float *Bn, const float *B_bias, const float *TH, float *h, float *hck,
+                     float *sm)
 {
-    static_assert(M3S_THREADS == 2 * M3Q, "the tables' two warps and a piece layout");
-    constexpr int LK = SSD_NS / 4; /* a k row's floats: the quarter's columns */
-    extern __shared__ __align__(16) float sm[];
+    static_assert(M3S_THREADS == 4 * M3Q && 2 * M3A == SSD_NS / 2, "a thread's k pieces");
+    constexpr int VW = SSD_HP / QS, VP = VW / 4; /* a v row's floats and 16-byte pieces */
+    constexpr int NV = M3Q * VP / M3S_THREADS, PW = 4 / QS, NH = 2 / QS;
+    constexpr int CHUNK = M3Q * (VW + SSD_NS); /* v's rows, then k's */
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1];
-    const int64_t bl = blockIdx.x / (4 * H), hh = blockIdx.x / 4 % H, per = SSD_HP * SSD_NS;
-    const int qd = blockIdx.x % 4, t = threadIdx.x, lane = t % 32, w = t / 32, g = lane / 4;
-    const int t4 = lane % 4, m0 = LK * qd; /* the quarter's first column */
+    const int64_t bl = blockIdx.x / (QS * H), hh = blockIdx.x / QS % H, per = SSD_HP * SSD_NS;
+    const int ps = VW * (int)(blockIdx.x % QS), t = threadIdx.x, w = t / 32, g = t % 32 / 4;
+    const int t4 = t % 4, pb = 16 * (w % PW) + 2 * g, mb = 32 * NH * (w / PW) + 4 * g;
     const int64_t c0 = cbeg[bl], c1 = cbeg[bl + 1];
-    /* thread t's pieces: v's rows t / 16 + 8 u at column vm, k's rows t / 8 + 16 u at
-     * the quarter's column km (pairs (m0 + km) / 2 + (0, 1)) */
-    const int vm = 4 * (t % 16), km = 4 * (t % 8), pp = (m0 + km) / 2;
-    const float4 kb = *(const float4 *)(B_bias + hh * SSD_NS + m0 + km);
+    /* thread t's pieces: v's rows t / VP + (M3S_THREADS / VP) u at column vm of the
+     * part; k's rows t / 16 + 16 u at columns km (turned pairs km / 2 + (0, 1)) and
+     * SSD_NS / 2 + km (biased only) */
+    const int vm = 4 * (t % VP), km = 4 * (t % 16);
+    const float4 kb0 = *(const float4 *)(B_bias + hh * SSD_NS + km);
+    const float4 kb1 = *(const float4 *)(B_bias + hh * SSD_NS + SSD_NS / 2 + km);
+    const float4 one = make_float4(1.0f, 0.0f, 1.0f, 0.0f);
     auto sealed = [&](int64_t c) { return c < c1 && desc[c * MB_DESC + 5] != 0; };
     auto issue = [&](int64_t c, float (&ang)[4][2]) { /* rows past n zero-filled */
         const int64_t *d = desc + c * MB_DESC;
         const int64_t e0 = d[1], n = d[2], r0 = d[3], tok0 = d[4] - r0;
-        float *Vs = sm + (c & 1) * M3S_CHUNK, *Ks = Vs + M3Q * SSD_HP;
+        float *Vs = sm + (c & 1) * CHUNK, *Ks = Vs + M3Q * VW;
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int j = t / 16 + 8 * u;
-            mb_cp_async16(Vs + j * SSD_HP + ssdf_sw(j, vm),
-                          V + ((e0 + (j < n ? j : 0)) * H + hh) * SSD_HP + vm, j < n ? 16 : 0);
+        for (int u = 0; u < NV; u++) {
+            const int j = t / VP + (M3S_THREADS / VP) * u;
+            mb_cp_async16(Vs + j * VW + ssdf_sw(j, vm),
+                          V + ((e0 + (j < n ? j : 0)) * H + hh) * SSD_HP + ps + vm, j < n ? 16 : 0);
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const int j = t / 8 + 16 * u;
+            const int j = t / 16 + 16 * u;
             const int64_t jc = j < n ? j : 0;
             const float *src = jc >= r0 ? Bn + (tok0 + jc) * SSD_NS
                                         : K + ((d[0] * M3Q + jc) * H + hh) * SSD_NS;
-            mb_cp_async16(Ks + j * LK + ssdf_sw(j, km), src + m0 + km, j < n ? 16 : 0);
-            const bool turn = pp < M3A && j >= r0 && j < n;
-            const float *a = TH + ((tok0 + (turn ? j : r0)) * H + hh) * M3A + pp % M3A;
+#pragma unroll
+            for (int x = 0; x < 2; x++) {
+                const int m = SSD_NS / 2 * x + km;
+                mb_cp_async16(Ks + j * SSD_NS + ssdf_sw(j, m), src + m, j < n ? 16 : 0);
+            }
+            const bool turn = j >= r0 && j < n;
+            const float *a = TH + ((tok0 + (turn ? j : r0)) * H + hh) * M3A + km / 2;
             ang[u][0] = turn ? a[0] : 0.0f;
             ang[u][1] = turn ? a[1] : 0.0f;
         }
         return m3_tab_load(n, e0, H, hh, true, true, DT, SIG, ADT);
     };
-    /* the state (accumulator layout): p = 16 w + g + 8 (e / 2), m = m0 + 8 q + 2 t4 + e % 2 */
-    float st[4][4];
-    auto at = [&](int q, int e) { return (16 * w + g + 8 * (e / 2)) * SSD_NS + m0 + 8 * q + 2 * t4; };
+    /* the state (accumulator layout of tile 4 x + q): p = ps + pb + e / 2, m = mb - 4 g
+     * + 8 t4 + 4 (e % 2) + 32 x + q */
+    float st[4 * NH][4];
+    auto at = [&](int x, int e) { return (ps + pb + e / 2) * SSD_NS + mb - 4 * g + 8 * t4 + 4 * (e % 2) + 32 * x; };
     auto put = [&](float *o) { /* the state into a (HP, NS) array */
 #pragma unroll
-        for (int q = 0; q < 4; q++)
+        for (int x = 0; x < NH; x++)
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) *(float2 *)(o + at(q, e)) = make_float2(st[q][e], st[q][e + 1]);
+            for (int e = 0; e < 4; e++)
+                *(float4 *)(o + at(x, e)) = make_float4(st[4 * x][e], st[4 * x + 1][e], st[4 * x + 2][e], st[4 * x + 3][e]);
     };
     float *hs = h + (bl * H + hh) * per;
 #pragma unroll
-    for (int q = 0; q < 4; q++)
+    for (int x = 0; x < NH; x++)
 #pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-            const float2 v = *(const float2 *)(hs + at(q, e));
-            st[q][e] = v.x, st[q][e + 1] = v.y;
+        for (int e = 0; e < 4; e++) {
+            const float4 v = *(const float4 *)(hs + at(x, e));
+            st[4 * x][e] = v.x, st[4 * x + 1][e] = v.y, st[4 * x + 2][e] = v.z, st[4 * x + 3][e] = v.w;
         }
     float ang[4][2] = {}, nang[4][2] = {}; /* chunk c's angles, the next chunk's */
     M3Tab next = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -597,42 +608,68 @@ mb_fast_m3_state_k(int64_t H, const int64_t *cbeg, const int64_t *desc, const fl
         if (sealed(c + 1)) next = issue(c + 1, nang);
         mb_cp_commit();
         mb_cp_wait<1>(); /* this thread's pieces of chunk c landed */
-        float *Vs = sm + (c & 1) * M3S_CHUNK, *Ks = Vs + M3Q * SSD_HP;
+        float *Vs = sm + (c & 1) * CHUNK, *Ks = Vs + M3Q * VW;
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int j = t / 16 + 8 * u;
-            float4 *x = (float4 *)(Vs + j * SSD_HP + ssdf_sw(j, vm));
+        for (int u = 0; u < NV; u++) {
+            const int j = t / VP + (M3S_THREADS / VP) * u;
+            float4 *x = (float4 *)(Vs + j * VW + ssdf_sw(j, vm));
             *x = ssdf_ready(*x, j < n ? __expf(suf[j + 1]) : 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const int j = t / 8 + 16 * u;
-            float4 *x = (float4 *)(Ks + j * LK + ssdf_sw(j, km));
-            float4 v = *x;
-            if (j >= r0 && j < n) v = m3_fix_piece(v, kb, m3_turns(pp, ang[u][0], ang[u][1]));
-            *x = ssdf_ready(v, sc[j]);
+            const int j = t / 16 + 16 * u;
+            const bool fix = j >= r0 && j < n;
+            float4 *x0 = (float4 *)(Ks + j * SSD_NS + ssdf_sw(j, km));
+            float4 *x1 = (float4 *)(Ks + j * SSD_NS + ssdf_sw(j, SSD_NS / 2 + km));
+            float4 v0 = *x0, v1 = *x1;
+            if (fix) {
+                v0 = m3_fix_piece(v0, kb0, m3_turns(km / 2, ang[u][0], ang[u][1]));
+                v1 = m3_fix_piece(v1, kb1, one);
+            }
+            *x0 = ssdf_ready(v0, sc[j]);
+            *x1 = ssdf_ready(v1, sc[j]);
         }
         const float E = mb_exp(cs[n - 1]);
         __syncthreads(); /* chunk c is ready for all; the tables are read */
-        float acc[4][4] = {};
-        const int p = 16 * w + g;
-        for (int k = 0; k < n; k += 8) { /* rows kl, kh: kl % 4 == kh % 4 == t4 */
-            const float *vl = Vs + (k + t4) * SSD_HP, *vh = vl + 4 * SSD_HP;
-            const float *kl = Ks + (k + t4) * LK, *kh = kl + 4 * LK;
-            const uint32_t a0 = __float_as_uint(vl[ssdf_sw(t4, p)]), a1 = __float_as_uint(vl[ssdf_sw(t4, p + 8)]);
-            const uint32_t a2 = __float_as_uint(vh[ssdf_sw(t4, p)]), a3 = __float_as_uint(vh[ssdf_sw(t4, p + 8)]);
+        float acc[4 * NH][4] = {};
+        for (int k = 0; k < n; k += 8) {
+            const int kl = k + t4, kh = kl + 4; /* kl % 4 == kh % 4 == t4 */
+            const float2 al = *(const float2 *)(Vs + kl * VW + ssdf_sw(t4, pb));
+            const float2 ah = *(const float2 *)(Vs + kh * VW + ssdf_sw(t4, pb));
 #pragma unroll
-            for (int q = 0; q < 4; q++)
-                mb_mma_tf32(acc[q], a0, a1, a2, a3, __float_as_uint(kl[ssdf_sw(t4, 8 * q + g)]),
-                            __float_as_uint(kh[ssdf_sw(t4, 8 * q + g)]));
+            for (int x = 0; x < NH; x++) {
+                const float4 bl4 = *(const float4 *)(Ks + kl * SSD_NS + ssdf_sw(t4, mb + 32 * x));
+                const float4 bh4 = *(const float4 *)(Ks + kh * SSD_NS + ssdf_sw(t4, mb + 32 * x));
+                const float b[2][4] = {{bl4.x, bl4.y, bl4.z, bl4.w}, {bh4.x, bh4.y, bh4.z, bh4.w}};
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    mb_mma_tf32(acc[4 * x + q], __float_as_uint(al.x), __float_as_uint(al.y),
+                                __float_as_uint(ah.x), __float_as_uint(ah.y),
+                                __float_as_uint(b[0][q]), __float_as_uint(b[1][q]));
+            }
         }
 #pragma unroll
-        for (int q = 0; q < 4; q++)
+        for (int q = 0; q < 4 * NH; q++)
 #pragma unroll
             for (int e = 0; e < 4; e++) st[q][e] = fmaf(E, st[q][e], acc[q][e]);
     }
     mb_cp_wait<0>();
     put(hs);
+}
+#define M3S_PARAMS                                                                        \
+    int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K, const float *V,   \
+        const float *DT, const float *SIG, const float *ADT, const float *Bn,              \
+        const float *B_bias, const float *TH, float *h, float *hck
+#define M3S_ARGS H, cbeg, desc, K, V, DT, SIG, ADT, Bn, B_bias, TH, h, hck, sm
+MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state_k(M3S_PARAMS)
+{
+    extern __shared__ __align__(16) float sm[];
+    m3_state<1>(M3S_ARGS);
+}
+MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
+{
+    extern __shared__ __align__(16) float sm[];
+    m3_state<2>(M3S_ARGS);
 }
 #endif
 
