@@ -154,6 +154,15 @@ class SsdMixin:
         self._kernels(*names, smem=SMEM)
         return _cuda
 
+    @staticmethod
+    def _front_tables(sc, plan, lengths):
+        """What the front reads of the plan: M and the norm's scratch, and the tables
+        only where rows are packed (lengths). The tables are otherwise uploaded once
+        the norm and in_proj are queued, which a lone call's device would wait for."""
+        I = {} if lengths is None else plan.upload(sc)
+        I["M"], I["r"] = plan.M, sc(plan.M)
+        return I
+
     def _rows_grid(self, n, B):
         return (self._grid(n), min(B, 65535))
 
@@ -215,14 +224,15 @@ class SsdMixin:
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
         back = []
         with C._Scratch(self, st) as sc:
-            I = plan.upload(sc)
-            I["M"], I["r"] = M, sc(M)
-            cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
-            yd = self._out(sc, y, back)
+            I = self._front_tables(sc, plan, lengths)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
             xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
                                      fast)
+            if lengths is None:
+                I.update(plan.upload(sc))
+            cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
+            yd = self._out(sc, y, back)
             _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             # conv + silu over xBC, then the ext rows: buffered ones, then new ones
             # (with none buffered, the conv's packed rows are the ext rows already)
@@ -348,12 +358,7 @@ class SsdMixin:
         M, E, NC = plan.M, plan.E, plan.NC
         back = []
         with C._Scratch(self, st) as sc:
-            I = plan.upload(sc)
-            I["M"], I["r"] = M, sc(M)
-            p = [self._on_device(sc, a, back) for a in pieces]
-            theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
-            rep = [self._out(sc, a, back) for a in reports]
-            yd = self._out(sc, y, back)
+            I = self._front_tables(sc, plan, lengths)
             nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
             parts = sc(nparts) if nparts else 0
             # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v
@@ -361,6 +366,12 @@ class SsdMixin:
             # rows of width NR whose B sits at 2 * di = 0)
             xd, xn, (z, xv, R) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w,
                                                   in_proj, (di, di, NR), parts, fast)
+            if lengths is None:
+                I.update(plan.upload(sc))
+            p = [self._on_device(sc, a, back) for a in pieces]
+            theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
+            rep = [self._out(sc, a, back) for a in reports]
+            yd = self._out(sc, y, back)
             _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
