@@ -37,7 +37,6 @@ M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
 M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound
 SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
-M3P_TOK = 8  # ssd3.cu: mb_m3_prep_k's tokens a thread
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 MAX_GRID_Z = 65535
@@ -454,8 +453,7 @@ class SsdMixin:
         C, bt = self._ssd_fn("mb_m3_prep_k"), sc(2 * NS * H)
         for i, bias in enumerate((B_bias, C_bias)):
             self.g_transpose(s, H, NS, bias, NS, bt + 4 * i * NS * H, H)
-        groups = -(-L // M3P_TOK)  # of a row's tokens, a thread each per head or angle
-        self._launch(s, "mb_m3_prep_k", self._rows_grid(groups * (H + NA), B), C.THREADS,
+        self._launch(s, "mb_m3_prep_k", self._rows_grid(L * (H + NA), B), C.THREADS,
                      B, I["off"], I["eoff"], I["t0"], H, di, NP, zx, dt_bias, Bn, Cn,
                      bt, bt + 4 * NS * H, DT, SIG, ADT, QKG, TA)
         _release(sc, bt)

@@ -28,73 +28,52 @@ MB_DEV float m3_heavy_tail(float x)
     return -(x >= 0.0f ? 1.0f + x : 1.0f / (1.0f - x));
 }
 
-/* Head h's dt, A * dt and sigmoid(trap) from a token's in_proj row r (z | x | B | C
- * | dd_dt | dd_A | trap | angle, or with di = 0 the columns from B on) at e of DT,
- * ADT and SIG; returns dt * sig, qk_gamma's factor. */
-MB_DEV float m3_prep_head(const float *r, int64_t h, int64_t H, int64_t di, const float *dt_bias,
-                          int64_t e, float *DT, float *SIG, float *ADT)
+/* One new token's prep from its in_proj row r (z | x | B | C | dd_dt | dd_A | trap |
+ * angle, or with di = 0 the columns from B on): j < H, head j's dt, A * dt,
+ * sigmoid(trap) and qk_gamma (c, k: the token's normed C and B, 16-byte aligned) at
+ * e + j of DT, ADT, SIG and QKG; j >= H, angle j - H's tanh(angle) * PI at ta[j - H].
+ * The biases are (H, SSD_NS), or (SSD_NS, H) when HM (head-minor: a warp of heads
+ * then reads one cache line a term, not one a head). */
+template <bool HM>
+MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const float *dt_bias,
+                        const float *c, const float *k, const float *B_bias, const float *C_bias,
+                        int64_t e, float *DT, float *SIG, float *ADT, float *QKG, float *ta)
 {
-    const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H;
-    float A = m3_heavy_tail(r[oA + h]);
+    const int64_t oDT = 2 * di + 2 * SSD_NS, oA = oDT + H, oTR = oA + H, oANG = oTR + H;
+    if (j >= H) {
+        ta[j - H] = mb_tanh(r[oANG + j - H]) * MB_PI;
+        return;
+    }
+    const int64_t h = j;
+    e += h;
+    const float dA = r[oA + h];
+    float A = m3_heavy_tail(dA);
     A = A > -1e-4f ? -1e-4f : A;
     const float dt = mb_softplus(r[oDT + h] + dt_bias[h]);
     const float sig = mb_sigmoid(r[oTR + h]);
     DT[e] = dt;
     ADT[e] = A * dt;
     SIG[e] = sig;
-    return dt * sig;
-}
-
-/* tanh(angle) * PI of angle a of a token's in_proj row r */
-MB_DEV float m3_prep_angle(const float *r, int64_t a, int64_t H, int64_t di)
-{
-    return mb_tanh(r[2 * di + 2 * SSD_NS + 3 * H + a]) * MB_PI;
-}
-
-/* Four columns m..m+3 of head h's q or k bias: (H, SSD_NS), or (SSD_NS, H) when HM
- * (head-minor: a warp of heads then reads one cache line a term, not one a head). */
-template <bool HM> MB_DEV float4 m3_bias4(const float *b, int64_t h, int64_t H, int m)
-{
-    if (!HM) return *(const float4 *)(b + h * SSD_NS + m);
-    const float *c = b + h;
-    return make_float4(c[m * H], c[(m + 1) * H], c[(m + 2) * H], c[(m + 3) * H]);
-}
-
-/* qk_gamma's chain (dot v1 over the biased c and k) through terms m..m+3 */
-MB_DEV float m3_qk4(float acc, float4 c, float4 cb, float4 k, float4 kb)
-{
-    acc = fmaf(c.x + cb.x, k.x + kb.x, acc);
-    acc = fmaf(c.y + cb.y, k.y + kb.y, acc);
-    acc = fmaf(c.z + cb.z, k.z + kb.z, acc);
-    return fmaf(c.w + cb.w, k.w + kb.w, acc);
-}
-
-/* One new token's prep from its in_proj row r: j < H, head j's m3_prep_head and
- * qk_gamma (c, k: the token's normed C and B, 16-byte aligned) at e + j of DT, ADT,
- * SIG and QKG; j >= H, angle j - H's m3_prep_angle at ta[j - H]. */
-template <bool HM>
-MB_DEV void m3_prep_one(const float *r, int64_t j, int64_t H, int64_t di, const float *dt_bias,
-                        const float *c, const float *k, const float *B_bias, const float *C_bias,
-                        int64_t e, float *DT, float *SIG, float *ADT, float *QKG, float *ta)
-{
-    if (j >= H) {
-        ta[j - H] = m3_prep_angle(r, j - H, H, di);
-        return;
-    }
-    const float g = m3_prep_head(r, j, H, di, dt_bias, e + j, DT, SIG, ADT);
+    const float *cb = C_bias + h * (HM ? 1 : SSD_NS), *kb = B_bias + h * (HM ? 1 : SSD_NS);
+    auto bias4 = [&](const float *b, int m) {
+        return HM ? make_float4(b[m * H], b[(m + 1) * H], b[(m + 2) * H], b[(m + 3) * H])
+                  : *(const float4 *)(b + m);
+    };
     float acc = 0.0f;
-    for (int m = 0; m < SSD_NS; m += 4)
-        acc = m3_qk4(acc, *(const float4 *)(c + m), m3_bias4<HM>(C_bias, j, H, m),
-                     *(const float4 *)(k + m), m3_bias4<HM>(B_bias, j, H, m));
-    QKG[e + j] = acc * g;
+    for (int m = 0; m < SSD_NS; m += 4) {
+        const float4 c4 = *(const float4 *)(c + m), cb4 = bias4(cb, m);
+        const float4 k4 = *(const float4 *)(k + m), kb4 = bias4(kb, m);
+        acc = fmaf(c4.x + cb4.x, k4.x + kb4.x, acc);
+        acc = fmaf(c4.y + cb4.y, k4.y + kb4.y, acc);
+        acc = fmaf(c4.z + cb4.z, k4.z + kb4.z, acc);
+        acc = fmaf(c4.w + cb4.w, k4.w + kb4.w, acc);
+    }
+    QKG[e] = acc * (dt * sig);
 }
 
-/* Grid (x over the row's groups of M3P_TOK tokens * (H + M3A), y over rows): the
- * prep of every new token (m3_prep_one's), a thread a head or angle over a group of
- * tokens, whose qk_gamma chains advance together so that each bias load serves them
- * all; rows of zx dip floats; Bn, Cn the normed B and C; the biases head-minor,
+/* Grid (x over the row's tokens * (H + M3A), y over rows): m3_prep_one of every new
+ * token, its row of zx dip floats; Bn, Cn the normed B and C; the biases head-minor,
  * (SSD_NS, H). */
-#define M3P_TOK 8
 MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                             int64_t H, int64_t di, int64_t dip, const float *zx,
                             const float *dt_bias, const float *Bn, const float *Cn,
@@ -104,34 +83,12 @@ MB_KERNEL void mb_m3_prep_k(int64_t B, const int64_t *off, const int64_t *eoff, 
     MB_GRID_WAIT();
     const int64_t W = H + M3A;
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
-        const int64_t o = off[b], e0 = eoff[b] + t0[b], T = off[b + 1] - o;
-        MB_GRID_LOOP(i, (T + M3P_TOK - 1) / M3P_TOK * W) {
-            const int64_t t1 = i / W * M3P_TOK, j = i % W;
-            const int nt = (int)(T - t1 < M3P_TOK ? T - t1 : M3P_TOK);
-            if (j >= H) {
-                for (int u = 0; u < nt; u++)
-                    TA[(o + t1 + u) * M3A + j - H] = m3_prep_angle(zx + (o + t1 + u) * dip, j - H, H, di);
-                continue;
-            }
-            float g[M3P_TOK], acc[M3P_TOK];
-#pragma unroll
-            for (int u = 0; u < M3P_TOK; u++) {
-                acc[u] = 0.0f;
-                g[u] = u < nt ? m3_prep_head(zx + (o + t1 + u) * dip, j, H, di, dt_bias,
-                                             (e0 + t1 + u) * H + j, DT, SIG, ADT) : 0.0f;
-            }
-            const float *c = Cn + (o + t1) * SSD_NS, *k = Bn + (o + t1) * SSD_NS;
-            for (int m = 0; m < SSD_NS; m += 4) {
-                const float4 cb = m3_bias4<true>(C_bias, j, H, m), kb = m3_bias4<true>(B_bias, j, H, m);
-#pragma unroll
-                for (int u = 0; u < M3P_TOK; u++)
-                    if (u < nt)
-                        acc[u] = m3_qk4(acc[u], *(const float4 *)(c + u * SSD_NS + m), cb,
-                                        *(const float4 *)(k + u * SSD_NS + m), kb);
-            }
-#pragma unroll
-            for (int u = 0; u < M3P_TOK; u++)
-                if (u < nt) QKG[(e0 + t1 + u) * H + j] = acc[u] * g[u];
+        const int64_t o = off[b], e0 = eoff[b] + t0[b];
+        MB_GRID_LOOP(i, (off[b + 1] - o) * W) {
+            const int64_t t = i / W, tok = o + t;
+            m3_prep_one<true>(zx + tok * dip, i % W, H, di, dt_bias, Cn + tok * SSD_NS,
+                              Bn + tok * SSD_NS, B_bias, C_bias, (e0 + t) * H, DT, SIG, ADT,
+                              QKG, TA + tok * M3A);
         }
     }
 }
