@@ -32,7 +32,7 @@ TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
-M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block), m3s_smem
+M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block), two chunks
 M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
 M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound

@@ -515,13 +515,13 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARA
  * terms) on ssd_fast_fold's tiles and reads (warp w: p = 16 (w % (4 / QS)) + (0..15)
  * of the part, 64 / QS columns m from 64 / QS (w / (4 / QS))). A chunk's rows copy by
  * cp.async, and its table inputs and new k rows' angles load into registers, while
- * the chunk before computes (two chunks of dynamic shared memory, m3s_smem); each
- * thread readies what it copied itself (a new k row's turned and biased-only
- * halves, the factors, TF32), so there is no chain kernel and no S between kernels.
+ * the chunk before computes (two chunks of dynamic shared memory, 8 CHUNK bytes:
+ * _cuda_ssd.M3S_SMEM); each thread readies what it copied itself (a new k row's
+ * turned and biased-only halves, the factors, TF32), so there is no chain kernel and
+ * no S between kernels.
  * QS = 2 halves the work a block for rows too few to fill the device. h (B, H, HP,
  * NS) ends as mb_ssd_chain_k leaves it. */
 #define M3S_THREADS SSD_FOLD_THREADS
-template <int QS> MB_DEV constexpr int m3s_smem() { return 4 * 2 * M3Q * (SSD_HP / QS + SSD_NS); }
 template <int QS>
 MB_DEV void m3_state(int64_t H, const int64_t *cbeg, const int64_t *desc, const float *K,
                      const float *V, const float *DT, const float *SIG, const float *ADT,
