@@ -50,7 +50,7 @@ class CpuBackend:
                          lambda *a, kept: self.m1_backward(w, d_model, *a, kept=kept))
 
     def m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
-                   fast=False):
+                   fast=False, early=None):  # early: a device backend's early_front
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m2_forward(w, d_model, dt_limit[0], dt_limit[1], x, tuple(pieces),
@@ -79,7 +79,7 @@ class CpuBackend:
                          lambda *a, kept: self.m2_backward(w, d_model, dt_limit, *a, kept=kept))
 
     def m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
-                   fast=False):
+                   fast=False, early=None):
         _host_only([x], "x")
         _host_only(pieces, "a state piece")
         return _core.m3_forward(w, d_model, x, tuple(pieces), buffered_tokens, pending, y,

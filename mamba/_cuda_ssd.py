@@ -64,6 +64,29 @@ def _release(sc, *ptrs):
         sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
 
 
+def _cuda_scratch(be, st):
+    from . import _cuda  # _cuda imports this module
+    return _cuda._Scratch(be, st)
+
+
+class _Early:
+    """A prefill's front queued ahead of the rest of its call (SsdMixin._early_front):
+    the forward takes it, with its scratch; close() returns the scratch to the pool
+    if no forward did (an error between the two)."""
+
+    def __init__(self, sc, front):
+        self.sc, self.front = sc, front
+
+    def take(self):
+        front, self.front = self.front, None
+        return front
+
+    def close(self):
+        if self.front is not None:
+            self.front = None
+            self.sc.__exit__()
+
+
 def _rot(rot):
     """The fast chunk kernels' last five arguments (all 0: q and k from Q and K)."""
     return rot or (0,) * 5
@@ -154,14 +177,42 @@ class SsdMixin:
         self._kernels(*names, smem=SMEM)
         return _cuda
 
-    @staticmethod
-    def _front_tables(sc, plan, lengths):
-        """What the front reads of the plan: M and the norm's scratch, and the tables
-        only where rows are packed (lengths). The tables are otherwise uploaded once
-        the norm and in_proj are queued, which a lone call's device would wait for."""
+    def _ssd_front(self, s, sc, x, lengths, plan, w, dm, fast, m3):
+        """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks), I holding
+        M, the norm's scratch and, where rows are packed (lengths), the plan's tables,
+        which the front then reads (uploaded after it otherwise); parts: the
+        projections' leaf scratch; blocks: in_proj's output as _front_cols gives it
+        (Mamba-3: z, x and the rest; Mamba-2: one block)."""
+        B, L, di = x.shape[0], x.shape[1], 2 * dm
+        _, H, NP = m3_dims(dm) if m3 else (di, di // HP, 2 * di + 2 * NS + di // HP)
+        M = B * L if lengths is None else plan.M
         I = {} if lengths is None else plan.upload(sc)
-        I["M"], I["r"] = plan.M, sc(plan.M)
-        return I
+        I["M"], I["r"] = M, sc(M)
+        nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
+        parts = sc(nparts) if nparts else 0
+        widths = (di, di, NP - 2 * di) if m3 else (NP,)
+        return (I, parts, *self._front_cols(s, sc, B, L, lengths, I, x, dm, w[0], w[1], widths,
+                                            parts, fast))
+
+    def _early_front(self, kind, w, dm, x, fast):
+        """A stateless prefill's front queued now (blocks._Block._early): the forward
+        given it (early=) goes on from there."""
+        if kind not in ("m2", "m3") or x.device == "cpu":
+            return None
+        self._enter()
+        return _Early(*self._begin(self.stream(), x, None, None, w, dm, fast, kind == "m3"))
+
+    def _begin(self, st, x, lengths, plan, w, dm, fast, m3, early=None):
+        """(scratch, front) of a prefill: early's, or a new scratch and front (the
+        scratch back in the pool if the front fails)."""
+        if early is not None:
+            return early.sc, early.take()
+        sc = _cuda_scratch(self, st)
+        try:
+            return sc, self._ssd_front(st.cu, sc, x, lengths, plan, w, dm, fast, m3)
+        except BaseException:
+            sc.__exit__()
+            raise
 
     def _rows_grid(self, n, B):
         return (self._grid(n), min(B, 65535))
@@ -207,7 +258,7 @@ class SsdMixin:
 
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
-                    fast=False):
+                    fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd2.cu)
         y_k, fold_k = self.kname("m2_y_k", tc), self.kname("m2_fold_k", tc)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
@@ -223,12 +274,9 @@ class SsdMixin:
         plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
         back = []
-        with C._Scratch(self, st) as sc:
-            I = self._front_tables(sc, plan, lengths)
-            nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
-            parts = sc(nparts) if nparts else 0
-            xd, xn, zx = self._front(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, NP, parts,
-                                     fast)
+        sc, (I, parts, xd, xn, (zx,)) = self._begin(st, x, lengths, plan, w, dm, fast, False,
+                                                    early)
+        with sc:
             if lengths is None:
                 I.update(plan.upload(sc))
             cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
@@ -340,7 +388,7 @@ class SsdMixin:
         return Bn, Cn
 
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
-                    fast=False):
+                    fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd3.cu)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
@@ -357,15 +405,12 @@ class SsdMixin:
         plan = _plan(B, L, lengths, buffered_tokens, M3_Q, True, S_GROUP // (H * per))
         M, E, NC = plan.M, plan.E, plan.NC
         back = []
-        with C._Scratch(self, st) as sc:
-            I = self._front_tables(sc, plan, lengths)
-            nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
-            parts = sc(nparts) if nparts else 0
-            # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v
-            # rows themselves when none are buffered) and the rest from B on (read as
-            # rows of width NR whose B sits at 2 * di = 0)
-            xd, xn, (z, xv, R) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w,
-                                                  in_proj, (di, di, NR), parts, fast)
+        # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v rows
+        # themselves when none are buffered) and the rest from B on (read as rows of
+        # width NR whose B sits at 2 * di = 0)
+        sc, (I, parts, xd, xn, (z, xv, R)) = self._begin(st, x, lengths, plan, w, dm, fast, True,
+                                                         early)
+        with sc:
             if lengths is None:
                 I.update(plan.upload(sc))
             p = [self._on_device(sc, a, back) for a in pieces]
@@ -500,4 +545,5 @@ if enabled():
     SsdMixin.m2_h_last = SsdMixin._m2_h_last
     SsdMixin.m2_session = SsdMixin._m2_session
     SsdMixin.m3_forward = SsdMixin._m3_forward
+    SsdMixin.early_front = SsdMixin._early_front
     SsdMixin.m3_session = SsdMixin._m3_session

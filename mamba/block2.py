@@ -132,11 +132,11 @@ class Mamba2Block(_HeadedBlock):
     def _vjp_kernel(self, keep, w, x, y):
         return keep(w, self.d_model, self.dt_limit, x, y, fast=self.numeric_mode == "fast")
 
-    def _kernel(self, w, x, pieces, state, y, lengths):
+    def _kernel(self, w, x, pieces, state, y, lengths, early=None):
         be = self._backend
         counts = be.m2_forward(w, self.d_model, self.dt_limit, x, pieces,
                                operator.index(state.buffered_tokens), y, lengths,
-                               fast=self.numeric_mode == "fast")
+                               fast=self.numeric_mode == "fast", early=early)
         if lengths is None:
             state.buffered_tokens = counts[0]
         # h_last_ is a function of the state after the call: keep copies of what it

@@ -164,7 +164,7 @@ class Mamba3Block(_HeadedBlock):
         self._backend.m3_backward(w, self.d_model, x, dy, gx, gw,
                                   fast=self.numeric_mode == "fast")
 
-    def _kernel(self, w, x, pieces, state, y, lengths):
+    def _kernel(self, w, x, pieces, state, y, lengths, early=None):
         B, H = x.shape[0], self.nheads
         be = self._backend
         # reports live where the state does (the device for a GPU session)
@@ -172,7 +172,7 @@ class Mamba3Block(_HeadedBlock):
         reports = tuple(be.empty(s, like=pieces[1]) for s in shapes)
         n = be.m3_forward(w, self.d_model, x, pieces, operator.index(state.buffered_tokens),
                           bool(state.pending), y, reports, lengths,
-                          fast=self.numeric_mode == "fast")
+                          fast=self.numeric_mode == "fast", early=early)
         state.buffered_tokens = n
         state.pending = False
         self._report, self._reported = None, reports

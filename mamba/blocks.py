@@ -1,5 +1,6 @@
 """What the three blocks share: construction, state checks, forward/step plumbing
 and the decode session. Each block file adds its weights, state layout and kernel."""
+import functools
 import os
 from types import SimpleNamespace
 
@@ -129,18 +130,32 @@ class _Block:
                                  "state (each row would end at a different position)")
             lengths = chk.lengths(lengths, what, B, L)
         settle = chk.real_finite_later(x, what, lengths)
-        if state is None:  # a zero state where x lives (no upload, no checks needed)
-            shapes = self._state_shapes(B)
-            pieces = self._backend.zeros([shapes[n] for n in self._STATE._PIECES], like=x)
-            state = self._STATE(*pieces)
-        else:  # x is refused before the state, and before anything the caller owns changes
-            settle()
-            pieces = self._state_arrays(state, what, B)
-        if x.device == "cpu":
-            settle()
-        y = self._backend.empty(x.shape, like=x)
-        self._run_checked(settle, self._kernel, self._dev_w, x, pieces, state, y, lengths)
+        early = self._early(x) if state is None and not step and lengths is None else None
+        try:
+            if state is None:  # a zero state where x lives (no upload, no checks needed)
+                shapes = self._state_shapes(B)
+                pieces = self._backend.zeros([shapes[n] for n in self._STATE._PIECES], like=x)
+                state = self._STATE(*pieces)
+            else:  # x is refused before the state, and before anything the caller owns changes
+                settle()
+                pieces = self._state_arrays(state, what, B)
+            if x.device == "cpu":
+                settle()
+            y = self._backend.empty(x.shape, like=x)
+            kernel = self._kernel if early is None else functools.partial(self._kernel, early=early)
+            self._run_checked(settle, kernel, self._dev_w, x, pieces, state, y, lengths)
+        finally:
+            if early is not None:
+                early.close()
         return y
+
+    def _early(self, x):
+        """A backend's head start on a stateless prefill of x: its front (the norm and
+        in_proj) queued before the host sets up the rest of the call, which the device
+        of a lone call would otherwise wait through; None where the backend has none."""
+        start = getattr(self._backend, "early_front", None)
+        return None if start is None else start(self._KIND, self._dev_w, self.d_model, x,
+                                                self.numeric_mode == "fast")
 
     def _run_checked(self, settle, kernel, *args):
         """kernel(*args), then settle() (a no-op once settled). A device call that

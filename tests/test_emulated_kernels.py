@@ -155,6 +155,43 @@ def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
     assert_same(got, one, lane.__name__)
 
 
+@pytest.mark.parametrize("mode", ["identical", "fast"])
+@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
+def test_early_front(be, name, mode, monkeypatch):
+    """A stateless prefill of device x queues its front (norm and in_proj) before the
+    host sets up the rest of the call, and the forward goes on from it: the bits of
+    a forward that makes its own front (identical mode: the C reference's). An error
+    between the two returns the front's scratch to the pool."""
+    gpu = make(name, backend="cuda", numeric_mode=mode)
+    x = rand((2, BLOCKS[name]["length"], gpu.d_model), 31)
+    start, taken = type(be).early_front, []
+
+    def spy(self, *a):
+        taken.append(start(self, *a))
+        return taken[-1]
+    monkeypatch.setattr(type(be), "early_front", spy)
+    got = host(gpu.forward(be.copy(x)))
+    assert len(taken) == 1 and taken[0] is not None and taken[0].front is None, "not taken"
+    monkeypatch.setattr(type(be), "early_front", lambda self, *a: None)
+    assert got == host(gpu.forward(be.copy(x)))
+    if mode == "identical":
+        assert got == raw(make(name, backend="cpu").forward(x))
+    monkeypatch.setattr(type(be), "early_front", spy)
+    xd = be.copy(x)
+
+    def big():  # live device allocations past the check's 512-byte read-back words
+        return sorted(a for a, buf in be.cu.mem.items() if len(buf) > 4096)
+    before = big()
+
+    def failing(self, shape, like=None):
+        raise MemoryError("no memory for y")
+    monkeypatch.setattr(type(be), "empty", failing)
+    with pytest.raises(MemoryError, match="no memory for y"):
+        gpu.forward(xd)
+    be._sync(be.stream())  # the stream-ordered frees
+    assert taken[-1] is not None and big() == before
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_profile_digest(be, name):
     assert run_digest(name, "cuda") == DIGESTS[name]
