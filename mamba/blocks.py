@@ -130,8 +130,10 @@ class _Block:
                                  "state (each row would end at a different position)")
             lengths = chk.lengths(lengths, what, B, L)
         settle = chk.real_finite_later(x, what, lengths)
-        early = self._early(x) if state is None and not step and lengths is None else None
+        early, checked = None, False
         try:
+            if state is None and not step and lengths is None:
+                early = self._early(x)
             if state is None:  # a zero state where x lives (no upload, no checks needed)
                 shapes = self._state_shapes(B)
                 pieces = self._backend.zeros([shapes[n] for n in self._STATE._PIECES], like=x)
@@ -143,7 +145,15 @@ class _Block:
                 settle()
             y = self._backend.empty(x.shape, like=x)
             kernel = self._kernel if early is None else functools.partial(self._kernel, early=early)
+            checked = True  # _run_checked settles the check whatever happens
             self._run_checked(settle, kernel, self._dev_w, x, pieces, state, y, lengths)
+        except BaseException:
+            if not checked:  # collect the check's answer (its read-back goes back to the
+                try:  # backend); the error in flight is the one to report
+                    settle()
+                except ValueError:
+                    pass
+            raise
         finally:
             if early is not None:
                 early.close()

@@ -161,7 +161,8 @@ def test_early_front(be, name, mode, monkeypatch):
     """A stateless prefill of device x queues its front (norm and in_proj) before the
     host sets up the rest of the call, and the forward goes on from it: the bits of
     a forward that makes its own front (identical mode: the C reference's). An error
-    between the two returns the front's scratch to the pool."""
+    between the two returns the front's scratch to the pool, and the input check's
+    read-back words to the backend."""
     gpu = make(name, backend="cuda", numeric_mode=mode)
     x = rand((2, BLOCKS[name]["length"], gpu.d_model), 31)
     start, taken = type(be).early_front, []
@@ -181,7 +182,7 @@ def test_early_front(be, name, mode, monkeypatch):
 
     def big():  # live device allocations past the check's 512-byte read-back words
         return sorted(a for a, buf in be.cu.mem.items() if len(buf) > 4096)
-    before = big()
+    before, slots = big(), len(be._readbacks)
 
     def failing(self, shape, like=None):
         raise MemoryError("no memory for y")
@@ -190,6 +191,7 @@ def test_early_front(be, name, mode, monkeypatch):
         gpu.forward(xd)
     be._sync(be.stream())  # the stream-ordered frees
     assert taken[-1] is not None and big() == before
+    assert len(be._readbacks) == slots, "the input check's read-back words were not returned"
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))
