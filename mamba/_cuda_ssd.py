@@ -465,10 +465,10 @@ class SsdMixin:
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
                 if tc:
-                    parts = self.m3_state_parts(nb * H)
-                    self._launch(s, M3S[parts], (nb * H * parts,), M3S_THREADS, H, cb, dsc,
+                    split = self.m3_state_parts(nb * H)
+                    self._launch(s, M3S[split], (nb * H * split,), M3S_THREADS, H, cb, dsc,
                                  ks, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
-                                 smem=M3S_SMEM[parts])
+                                 smem=M3S_SMEM[split])
                 else:
                     E0 = Ec + 4 * H * c0
                     self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0)
