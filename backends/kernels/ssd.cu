@@ -383,6 +383,30 @@ MB_DEV float4 ssdf_ready(float4 v, float f)
     return make_float4(__uint_as_float(mb_tf32(v.x * f)), __uint_as_float(mb_tf32(v.y * f)),
                        __uint_as_float(mb_tf32(v.z * f)), __uint_as_float(mb_tf32(v.w * f)));
 }
+/* One 8-row step of the products from row k on: rows k + t4 and k + t4 + 4 of v
+ * (LDV floats a row; the lane's tile rows p = pb and pb + 1, one 8-byte read) and of
+ * k (SSD_NS floats a row; columns mb + 32 x + (0..3), one 16-byte read, x < NH) into
+ * acc[4 x + q]: the lane's column of tile 4 x + q is m = mb + 32 x + q (mb holds its
+ * 4 g). Rows sit swizzled by ssdf_sw. */
+template <int NH, int LDV>
+MB_DEV void ssdf_kstep(float (*acc)[4], const float (*V)[LDV], const float (*K)[SSD_NS], int k,
+                       int t4, int pb, int mb)
+{
+    const int kl = k + t4, kh = kl + 4; /* kl % 4 == kh % 4 == t4 */
+    const float2 al = *(const float2 *)&V[kl][ssdf_sw(t4, pb)];
+    const float2 ah = *(const float2 *)&V[kh][ssdf_sw(t4, pb)];
+#pragma unroll
+    for (int x = 0; x < NH; x++) {
+        const float4 bl = *(const float4 *)&K[kl][ssdf_sw(t4, mb + 32 * x)];
+        const float4 bh = *(const float4 *)&K[kh][ssdf_sw(t4, mb + 32 * x)];
+        const float b[2][4] = {{bl.x, bl.y, bl.z, bl.w}, {bh.x, bh.y, bh.z, bh.w}};
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            mb_mma_tf32(acc[4 * x + q], __float_as_uint(al.x), __float_as_uint(al.y),
+                        __float_as_uint(ah.x), __float_as_uint(ah.y), __float_as_uint(b[0][q]),
+                        __float_as_uint(b[1][q]));
+    }
+}
 template <class KRow, class Tables>
 MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, const float *fm,
                           const float *fp, float *o, Tables tables)
@@ -430,22 +454,7 @@ MB_DEV void ssd_fast_fold(int64_t n, KRow krow, const float *vp, int64_t ldv, co
         if (st + SSDF_STAGES - 1 < steps) issue(st + SSDF_STAGES - 1);
         mb_cp_commit();
 #pragma unroll
-        for (int k = 0; k < SSDF_ROWS; k += 8) {
-            const int kl = k + t4, kh = kl + 4; /* kl % 4 == kh % 4 == t4 */
-            const float2 al = *(const float2 *)&V[kl][ssdf_sw(t4, pb)];
-            const float2 ah = *(const float2 *)&V[kh][ssdf_sw(t4, pb)];
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
-                const float4 bl = *(const float4 *)&K[kl][ssdf_sw(t4, mb + 32 * hh)];
-                const float4 bh = *(const float4 *)&K[kh][ssdf_sw(t4, mb + 32 * hh)];
-                const float b[2][4] = {{bl.x, bl.y, bl.z, bl.w}, {bh.x, bh.y, bh.z, bh.w}};
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mb_mma_tf32(acc[4 * hh + q], __float_as_uint(al.x), __float_as_uint(al.y),
-                                __float_as_uint(ah.x), __float_as_uint(ah.y),
-                                __float_as_uint(b[0][q]), __float_as_uint(b[1][q]));
-            }
-        }
+        for (int k = 0; k < SSDF_ROWS; k += 8) ssdf_kstep<2, SSD_HP>(acc, V, K, k, t4, pb, mb);
     }
     mb_cp_wait<0>();
     /* accumulator e of tile 4 hh + q: p = pb + e / 2, m = 64 (w / 4) + 8 t4 + 4 (e % 2) +

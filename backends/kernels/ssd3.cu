@@ -632,22 +632,9 @@ MB_DEV void m3_state(int64_t H, const int64_t *cbeg, const int64_t *desc, const 
         const float E = mb_exp(cs[n - 1]);
         __syncthreads(); /* chunk c is ready for all; the tables are read */
         float acc[4 * NH][4] = {};
-        for (int k = 0; k < n; k += 8) {
-            const int kl = k + t4, kh = kl + 4; /* kl % 4 == kh % 4 == t4 */
-            const float2 al = *(const float2 *)(Vs + kl * VW + ssdf_sw(t4, pb));
-            const float2 ah = *(const float2 *)(Vs + kh * VW + ssdf_sw(t4, pb));
-#pragma unroll
-            for (int x = 0; x < NH; x++) {
-                const float4 bl4 = *(const float4 *)(Ks + kl * SSD_NS + ssdf_sw(t4, mb + 32 * x));
-                const float4 bh4 = *(const float4 *)(Ks + kh * SSD_NS + ssdf_sw(t4, mb + 32 * x));
-                const float b[2][4] = {{bl4.x, bl4.y, bl4.z, bl4.w}, {bh4.x, bh4.y, bh4.z, bh4.w}};
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    mb_mma_tf32(acc[4 * x + q], __float_as_uint(al.x), __float_as_uint(al.y),
-                                __float_as_uint(ah.x), __float_as_uint(ah.y),
-                                __float_as_uint(b[0][q]), __float_as_uint(b[1][q]));
-            }
-        }
+        const float(*vr)[VW] = (const float(*)[VW])Vs;
+        for (int k = 0; k < n; k += 8)
+            ssdf_kstep<NH, VW>(acc, vr, (const float(*)[SSD_NS])Ks, k, t4, pb, mb);
 #pragma unroll
         for (int q = 0; q < 4 * NH; q++)
 #pragma unroll
