@@ -44,6 +44,13 @@ S_GROUP = 1 << 27  # floats of Mamba-3's chunk states (S, hck) live at once: row
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
+def m2_dims(d_model):
+    """Mamba-2's inner width, heads and in_proj row width (z | xBC | dt)."""
+    di = 2 * d_model
+    H = di // HP
+    return di, H, 2 * di + 2 * NS + H
+
+
 def m3_dims(d_model):
     """Mamba-3's inner width, heads and in_proj row width (z | x | B | C | dd_dt |
     dd_A | trap | angles)."""
@@ -62,11 +69,6 @@ def _release(sc, *ptrs):
     for p in ptrs:
         sc.ptrs.remove(p)
         sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
-
-
-def _cuda_scratch(be, st):
-    from . import _cuda  # _cuda imports this module
-    return _cuda._Scratch(be, st)
 
 
 class _Early:
@@ -184,7 +186,7 @@ class SsdMixin:
         projections' leaf scratch; blocks: in_proj's output as _front_cols gives it
         (Mamba-3: z, x and the rest; Mamba-2: one block)."""
         B, L, di = x.shape[0], x.shape[1], 2 * dm
-        _, H, NP = m3_dims(dm) if m3 else (di, di // HP, 2 * di + 2 * NS + di // HP)
+        _, H, NP = (m3_dims if m3 else m2_dims)(dm)
         M = B * L if lengths is None else plan.M
         I = {} if lengths is None else plan.upload(sc)
         I["M"], I["r"] = M, sc(M)
@@ -207,7 +209,7 @@ class SsdMixin:
         scratch back in the pool if the front fails)."""
         if early is not None:
             return early.sc, early.take()
-        sc = _cuda_scratch(self, st)
+        sc = self._ssd_fn()._Scratch(self, st)
         try:
             return sc, self._ssd_front(st.cu, sc, x, lengths, plan, w, dm, fast, m3)
         except BaseException:
@@ -267,9 +269,8 @@ class SsdMixin:
         st = self.stream()
         s = st.cu
         dm, B, L = d_model, x.shape[0], x.shape[1]
-        di = 2 * dm
-        H, CD = di // HP, di + 2 * NS
-        NP = di + CD + H
+        di, H, NP = m2_dims(dm)
+        CD = di + 2 * NS
         norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
         plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
