@@ -212,6 +212,15 @@ class _Mem:
         be.release(lambda: (be._enter(), be.cu.cuMemFree(ptr)))
 
 
+class _InputCheck:
+    """A prefill's input check left to its norm (CudaBackend.first_nonfinite_later):
+    a, the array (None once a norm took it); first, its answer word; slot, the
+    read-back slot."""
+
+    def __init__(self, a, first, slot):
+        self.a, self.first, self.slot = a, first, slot
+
+
 class _PoolMem:
     """One call's output from the stream-ordered pool: allocated and freed on the
     stream that writes it (as torch's caching allocator does), holding that stream's
@@ -541,34 +550,61 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         # the block's device copies: refresh_weights replaces them, never edits them
         return block._dev_w
 
-    def first_nonfinite_later(self, arrays):
+    def first_nonfinite_later(self, arrays, in_norm=False):
         """Queue the search for the first NaN or +-inf of each device array on the
         current stream; returns wait(), which blocks until the answers (flat
         indices, -1 for none) are on the host, not for work queued after this call,
-        so a caller may launch its kernels before it waits."""
+        so a caller may launch its kernels before it waits. in_norm: the one array
+        is a stateless prefill's x, whose norm (the next one this thread launches
+        over exactly its elements) searches it as it reads it, one pass over x fewer;
+        wait() runs the search itself if no norm took it."""
         self._enter()
         s, cu, n = self.stream(), self.cu, len(arrays)
-        host, event, _ = slot = self._readback_slot(n)
-        with _Scratch(self, s) as sc:
-            first = sc(2 * n)
-            self._ck(cu.cuMemsetD8Async(first, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
-            for i, a in enumerate(arrays):
-                self._launch(s.cu, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS,
-                             a.size, a, first + 8 * i)
-            self._ck(cu.cuMemcpyDtoHAsync(host, first, 8 * n, s.cu), "cuMemcpyDtoHAsync")
-            self._ck(cu.cuEventRecord(event, s.cu), "cuEventRecord")
+        host, event, _, first, _ = slot = self._readback_slot(n)
+        self._ck(cu.cuMemsetD8Async(first, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
+        check = _InputCheck(arrays[0], first, slot) if in_norm else None
+        if check is None:
+            self._search(s.cu, arrays, slot)
+        else:
+            self._guard.input = check
 
         def wait():
             try:
+                if check is not None and check.a is not None:  # no norm took it
+                    self._guard.input = None
+                    self._search(self.stream().cu, arrays, slot)
                 self._ck(cu.cuEventSynchronize(event), "cuEventSynchronize")
                 return [-1 if v == NONE else v for v in (ctypes.c_uint64 * n).from_address(host)]
             finally:
                 self._readbacks.append(slot)
         return wait
 
+    def _search(self, s, arrays, slot):
+        """mb_first_nonfinite_k over each array into the slot's words, then their
+        read-back."""
+        for i, a in enumerate(arrays):
+            self._launch(s, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a,
+                         slot[3] + 8 * i)
+        self._read_back(s, slot, len(arrays))
+
+    def _read_back(self, s, slot, n):
+        host, event, _, first, _ = slot
+        self._ck(self.cu.cuMemcpyDtoHAsync(host, first, 8 * n, s), "cuMemcpyDtoHAsync")
+        self._ck(self.cu.cuEventRecord(event, s), "cuEventRecord")
+
+    def _input_check(self, x, M, n, ldx):
+        """The first_nonfinite_later(in_norm=True) search a norm of M rows of n at x
+        (rows ldx apart) takes: its answer word's pointer (0: none)."""
+        check = getattr(self._guard, "input", None)
+        if check is None or ldx != n or _ptr(x) != check.a.ptr or M * n != check.a.size:
+            return None
+        self._guard.input, check.a = None, None
+        return check
+
     def _readback_slot(self, n):
-        """(pinned host words, event, their count >= n), reused (a read-back into
-        pageable memory would wait for the whole stream)."""
+        """(pinned host words, event, their count >= n, device words), reused (a
+        read-back into pageable memory would wait for the whole stream; the device
+        words outlive the calls whose norms write them)."""
         with self._lock:
             for k, slot in enumerate(self._readbacks):
                 if slot[2] >= n:
@@ -576,7 +612,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         words, cu = max(n, 64), self.cu
         host = int(self._ck(cu.cuMemHostAlloc(8 * words, 0), "cuMemHostAlloc"))
         event = self._ck(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        return host, event, words
+        dev = _Mem(self, 8 * words)
+        return host, event, words, dev.ptr, dev
 
     def sync_for_consumer(self, arr, consumer):
         """DLPack export: the consumer's stream waits for the stream that wrote arr."""
@@ -763,21 +800,27 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
         """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
         scratch (identical). The first norm of a session step's capture also runs the
-        step's guard (step_guard)."""
+        step's guard (step_guard), and a prefill's norm of x its input check
+        (first_nonfinite_later)."""
         ldx = ldx or n
         blocks, threads = ((min(M, 64 * self.sms), FAST_THREADS) if fast else
                            (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
         check = self._step_check(s, blocks, threads)
+        ic = self._input_check(x, M, n, ldx)
+        first = ic.first if ic else 0
         if fast:
             self._launch(s, "mb_fast_rmsnorm_k", (blocks,), threads, M, n, x, ldx, w, out, n,
-                         *check)
-            return
-        whole = self._norm_whole(M, n)
-        self._launch(s, "mb_rms_k", (blocks,), threads, M, n, x, ldx, r, w, out if whole else 0,
-                     n, *check, smem=self.norm_smem)
-        if not whole:
-            self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r, w,
-                         out, n)
+                         *check, first)
+        else:
+            whole = self._norm_whole(M, n)
+            self._launch(s, "mb_rms_k", (blocks,), threads, M, n, x, ldx, r, w,
+                         out if whole else 0, n, *check, first if whole else 0,
+                         smem=self.norm_smem)
+            if not whole:
+                self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r,
+                             w, out, n, first)
+        if ic:
+            self._read_back(s, ic.slot, 1)
 
     def _norm_gemm(self, s, fast, M, K, X, norm_w, xn, r, N, W, Y, parts, conv=None, keep=False):
         """A block's RMSNorm of X's M rows of K into xn (r: M floats of scratch), then

@@ -16,12 +16,13 @@ def aligned(a, what, name):
                          f"boundary (its address is {a.ptr % 16} bytes past one)")
 
 
-def finite_later(checks, what):
+def finite_later(checks, what, in_norm=False):
     """Finite checks of [(array, name, base)] (base: the flat index of the array's
     first element in the buffer called name). Host arrays are checked at once;
     device arrays' checks are queued on their backend's stream (one read-back per
     backend), so work launched before settle() overlaps them. settle() raises for
-    the first bad array in list order."""
+    the first bad array in list order. in_norm: the one check is of a stateless
+    prefill's x, which the backend may search in the norm that reads it."""
     found, queued = [None] * len(checks), {}
     for k, (a, _, _) in enumerate(checks):
         if a.device == "cpu":
@@ -29,7 +30,7 @@ def finite_later(checks, what):
         else:
             from . import _backends
             queued.setdefault(_backends.owner_of(a), []).append(k)
-    waits = [(ks, be.first_nonfinite_later([checks[k][0] for k in ks]))
+    waits = [(ks, be.first_nonfinite_later([checks[k][0] for k in ks], in_norm))
              for be, ks in queued.items()]
 
     def settle():
@@ -103,11 +104,11 @@ def lengths(lens, what, B, L):
     return vals
 
 
-def real_finite_later(x, what, lens):
+def real_finite_later(x, what, lens, in_norm=False):
     """finite_later of x over the real positions of each row only (padding is never
     read)."""
     if lens is None:
-        return finite_later([(x, "x", 0)], what)
+        return finite_later([(x, "x", 0)], what, in_norm)
     B, L, D = x.shape
     return finite_later([(_core.view_rows(x, b * L * D, n * D), "x", b * L * D)
                          for b, n in enumerate(lens)], what)

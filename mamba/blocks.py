@@ -129,10 +129,11 @@ class _Block:
                 raise ValueError(f"mamba {what}: lengths cannot be combined with a carried "
                                  "state (each row would end at a different position)")
             lengths = chk.lengths(lengths, what, B, L)
-        settle = chk.real_finite_later(x, what, lengths)
+        stateless = state is None and not step and lengths is None
+        settle = chk.real_finite_later(x, what, lengths, in_norm=stateless)
         early, checked = None, False
         try:
-            if state is None and not step and lengths is None:
+            if stateless:
                 early = self._early(x)
             if state is None:  # a zero state where x lives (no upload, no checks needed)
                 shapes = self._state_shapes(B)

@@ -216,6 +216,50 @@ def refusals_after_launch(be, name):
     assert state_of(st) == kept, "a refused call changed the state"
 
 
+def input_check_in_norm(be, name, mode, monkeypatch):
+    """A stateless device prefill searches x for non-finite values in the norm that
+    reads it (no search kernel of its own), on each norm path (fast; identical's
+    rows scaled whole or by mb_rms_scale_k): the first bad index of several in
+    different rows and blocks is the one named. Where no norm takes the search (a
+    prefill of one token may be normed in in_proj's GEMV; here forced), the settle
+    runs it. A clean call afterwards gives the bits it gave before (identical: the
+    C reference's)."""
+    cpu = make(name, backend="cpu", numeric_mode=mode)
+    gpu = make(name, backend="cuda", numeric_mode=mode)
+    L, D = BLOCKS[name]["length"], cpu.d_model
+    x = rand((3, L, D), 42)
+    i = (L + 3) * D + 5  # row 1, token 3; an inf after it in its row and a NaN in row 2
+    bad = poisoned(poisoned(x, i), 2 * L * D + 1)
+    memoryview(bad).cast("B").cast("f")[i + 7] = math.inf
+    want = host(gpu.forward(be.copy(x)))
+    if mode == "identical":
+        assert want == raw(cpu.forward(x))
+    names, launch = [], be._launch
+    monkeypatch.setattr(be, "_launch", lambda s, n, *a, **k: names.append(n) or
+                        launch(s, n, *a, **k))
+    take = be._input_check
+    paths = [("norm", True)] + ([("norm", False)] if mode == "identical" else []) + [
+        ("settle", True)]
+    for where, whole in paths:
+        monkeypatch.setattr(be, "_norm_whole", (lambda M, n: False) if not whole else
+                            type(be)._norm_whole.__get__(be))
+        monkeypatch.setattr(be, "_input_check", take if where == "norm" else
+                            lambda *a: None)
+        names.clear()
+        with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {i}$"):
+            gpu.forward(be.copy(bad))
+        assert ("mb_first_nonfinite_k" in names) == (where == "settle"), (where, whole)
+        if not whole:
+            assert "mb_rms_scale_k" in names
+        assert host(gpu.forward(be.copy(x))) == want, (where, whole)
+    one = time_slice(x, 0, 1)
+    monkeypatch.setattr(be, "_input_check", take)
+    monkeypatch.setattr(be, "_norm_whole", type(be)._norm_whole.__get__(be))
+    with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {D + 2}$"):
+        gpu.forward(be.copy(poisoned(one, D + 2)))
+    assert host(gpu.forward(be.copy(one))) == host(gpu.forward(be.copy(one)))
+
+
 NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000)]
 # (M, N, K) of the GEMV normalizing its rows itself: a row, a block's 8 rows and
 # one more, K a stage, not a multiple of 4, past a stage, Mamba-2's out_proj

@@ -22,9 +22,9 @@ from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
-                          frees_during_capture, gemm_tails, host, math_matches_reference,
-                          norm_gemv, poisoned, refusals_after_launch, rmsnorm_rows,
-                          scan_exp_ranges, ssd_session_graph, state_of)
+                          frees_during_capture, gemm_tails, host, input_check_in_norm,
+                          math_matches_reference, norm_gemv, poisoned, refusals_after_launch,
+                          rmsnorm_rows, scan_exp_ranges, ssd_session_graph, state_of)
 
 
 
@@ -326,6 +326,12 @@ def test_frees_during_capture(be, name, monkeypatch):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_refusals_after_launch(be, name):
     refusals_after_launch(be, name)
+
+
+@pytest.mark.parametrize("mode", ["identical", "fast"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_input_check_in_norm(be, name, mode, monkeypatch):
+    input_check_in_norm(be, name, mode, monkeypatch)
 
 
 def test_m2_session_folds_twice(be):

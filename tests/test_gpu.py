@@ -18,8 +18,9 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture,
-                          gemm_tails, math_matches_reference, norm_gemv, refusals_after_launch,
-                          rmsnorm_rows, scan_exp_ranges, ssd_session_graph)
+                          gemm_tails, input_check_in_norm, math_matches_reference, norm_gemv,
+                          refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
+                          ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -200,6 +201,13 @@ def test_frees_during_capture(be, name, monkeypatch):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_refusals_after_launch(be, name):
     refusals_after_launch(be, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["identical", "fast"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_input_check_in_norm(be, name, mode, monkeypatch):
+    input_check_in_norm(be, name, mode, monkeypatch)
 
 
 @pytest.mark.gpu

@@ -215,17 +215,22 @@ mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
 MB_KERNEL void MB_BOUNDS(FN_THREADS)
 mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *w,
                   float *out, int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
-                  volatile unsigned long long *host)
+                  volatile unsigned long long *host, unsigned long long *first)
 {
     MB_GRID_WAIT();
     if (g) mb_guard_step(cn, cx, g, host); /* as mb_rms_k */
     __shared__ float part[FN_THREADS / 32];
     __shared__ float r;
     const int tid = threadIdx.x, lane = tid % 32;
+    unsigned long long bad = ~0ull; /* first: x's input check (as mb_rms_k) */
     for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
         const float *xr = x + m * ldx;
         float s = 0.0f;
-        for (int64_t j = tid; j < n; j += FN_THREADS) s = fmaf(xr[j], xr[j], s);
+        for (int64_t j = tid; j < n; j += FN_THREADS) {
+            const float v = xr[j];
+            if (first) mb_note_nonfinite(v, m * ldx + j, &bad);
+            s = fmaf(v, v, s);
+        }
         for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
         if (lane == 0) part[tid / 32] = s;
         __syncthreads();
@@ -239,6 +244,7 @@ mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float
         for (int64_t j = tid; j < n; j += FN_THREADS) dst[j] = xr[j] * r * w[j];
         __syncthreads();
     }
+    mb_report_nonfinite(first, bad);
 }
 
 #undef TB_M

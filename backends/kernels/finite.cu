@@ -4,11 +4,26 @@
 /* First NaN or +-inf of a device buffer: an integer atomicMin of the flat index,
  * so the answer is the first bad index whatever the schedule. *first must hold all
  * ones before the launch. */
+MB_DEV bool mb_nonfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+
 MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long long *first)
 {
     MB_GRID_LOOP(i, n) {
         if ((x[i] & 0x7f800000u) == 0x7f800000u) atomicMin(first, (unsigned long long)i);
     }
+}
+
+/* The same search run by a prefill's norm as it reads x (CudaBackend.input_check):
+ * a thread keeps the least bad index it saw (bad, all ones for none) and reports it
+ * once, so an input of NaNs costs one atomic a thread, not one an element. */
+MB_DEV void mb_note_nonfinite(float v, int64_t i, unsigned long long *bad)
+{
+    if (mb_nonfinite(v) && (unsigned long long)i < *bad) *bad = (unsigned long long)i;
+}
+
+MB_DEV void mb_report_nonfinite(unsigned long long *first, unsigned long long bad)
+{
+    if (first && bad != ~0ull) atomicMin(first, bad);
 }
 
 /* A decode session's guard, the first kernel of each step (one block), so that a

@@ -22,15 +22,19 @@
 
 /* rows [m0, m0 + rows) whole (chain.h mb_norm_rows), then scaled from there */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
-                      int ld, float *sm, float *r, const float *w, float *out, int64_t ldo)
+                      int ld, float *sm, float *r, const float *w, float *out, int64_t ldo,
+                      bool check, unsigned long long *bad)
 {
     __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
     const float *sw = mb_norm_rows(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
     if (tid < rows) r[m0 + tid] = rr[tid];
     for (int m = 0; m < rows; m++)
-        for (int j = tid; j < n; j += RN_THREADS)
-            out[(m0 + m) * ldo + j] = (sm[m * ld + j] * rr[m]) * sw[j];
+        for (int j = tid; j < n; j += RN_THREADS) {
+            const float v = sm[m * ld + j];
+            if (check) mb_note_nonfinite(v, (m0 + m) * ldx + j, bad);
+            out[(m0 + m) * ldo + j] = (v * rr[m]) * sw[j];
+        }
     __syncthreads();
 }
 
@@ -87,37 +91,45 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
  * leaf's rows of every block fit the shared memory whole with w (_cuda.py
  * _norm_whole); they are then scaled here, else r alone is written. g: a decode
  * session's guard word, given to a one-block launch, which first checks the step's
- * input (cn words at cx; finite.cu mb_guard_step) */
+ * input (cn words at cx; finite.cu mb_guard_step). first: a prefill's input check
+ * (finite.cu mb_first_nonfinite_k's answer), run where x is scaled: here or in
+ * mb_rms_scale_k */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
          int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
-         volatile unsigned long long *host)
+         volatile unsigned long long *host, unsigned long long *first)
 {
     MB_GRID_WAIT();
     if (g) mb_guard_step(cn, cx, g, host);
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
+    unsigned long long bad = ~0ull;
     for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
         const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
         if (out)
-            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo);
+            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo, first != 0, &bad);
         else if (n > MB_DOT_LEAF)
             rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
         else
             rms_ring<false>(m0, rows, n, xb, ldx, vec, ring, r);
     }
+    mb_report_nonfinite(first, bad);
 }
 
 MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *r,
-                              const float *w, float *out, int64_t ldo)
+                              const float *w, float *out, int64_t ldo, unsigned long long *first)
 {
     MB_GRID_WAIT();
+    unsigned long long bad = ~0ull;
     MB_GRID_LOOP(i, M * n) {
         const int64_t m = i / n, j = i % n;
-        out[m * ldo + j] = (x[m * ldx + j] * r[m]) * w[j];
+        const float v = x[m * ldx + j];
+        if (first) mb_note_nonfinite(v, m * ldx + j, &bad);
+        out[m * ldo + j] = (v * r[m]) * w[j];
     }
+    mb_report_nonfinite(first, bad);
 }
 
 #undef RN_ROWS
