@@ -55,6 +55,7 @@ WGMMA_STAGES, WGMMA_BK = 4, 32                      # wgmma.cu: WG_STAGES, WG_BK
 # the stages, 1 KiB to align them to the swizzle's atoms, a full and an empty barrier a stage
 WGMMA_SMEM = WGMMA_STAGES * ((WGMMA_BM + WGMMA_BN) * WGMMA_BK * 4 + 2 * 8) + 1024
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
+FAST_NORM_ROWS = FAST_THREADS // 32                # fast.cu FN_ROWS: a warp a row
 FAST_GEMV_MAX_M = 8  # fast: the split-K GEMV re-reads X per output row, so past 8
                      # rows the chain GEMV of the identical mode is the faster one
 SCAN_CHANNELS = 8    # scan1.cu: channels per block of 16 lanes each
@@ -803,8 +804,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         step's guard (step_guard), and a prefill's norm of x its input check
         (first_nonfinite_later)."""
         ldx = ldx or n
-        blocks, threads = ((min(M, 64 * self.sms), FAST_THREADS) if fast else
-                           (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
+        blocks, threads = ((min(_cdiv(M, FAST_NORM_ROWS), 8 * self.sms), FAST_THREADS)
+                           if fast else (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
         check = self._step_check(s, blocks, threads)
         ic = self._input_check(x, M, n, ldx)
         first = ic.first if ic else 0

@@ -4,7 +4,7 @@
  *                      a 10-bit mantissa; products summed in fp32).
  *   mb_fast_gemv_k     few rows of X (decode): each output's K terms split over a
  *                      warp's lanes and summed by shuffles.
- *   mb_fast_rmsnorm_k  the sum of squares split over a block.
+ *   mb_fast_rmsnorm_k  a warp a row.
  * The conv and scan kernels take the fast transcendentals (modes.h). */
 #include "vendor.h"
 #include "numerics.h"
@@ -208,9 +208,11 @@ mb_fast_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, con
 }
 
 /* ---- RMSNorm ----------------------------------------------------------------------
- * One block per row: the sum of squares over the block's threads, then a shuffle
- * and shared-memory tree; rsqrtf. */
+ * A warp a row: its sum of squares over the lanes (shuffles, no barrier), rsqrtf,
+ * then the row scaled (x re-read, from cache; out may be x: a lane writes only what
+ * it read). 16-byte loads where the rows allow. */
 #define FN_THREADS 256
+#define FN_ROWS (FN_THREADS / 32)
 
 MB_KERNEL void MB_BOUNDS(FN_THREADS)
 mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *w,
@@ -219,30 +221,45 @@ mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float
 {
     MB_GRID_WAIT();
     if (g) mb_guard_step(cn, cx, g, host); /* as mb_rms_k */
-    __shared__ float part[FN_THREADS / 32];
-    __shared__ float r;
-    const int tid = threadIdx.x, lane = tid % 32;
+    const int lane = threadIdx.x % 32;
+    const bool vec = n % 4 == 0 && ldx % 4 == 0 && ldo % 4 == 0 &&
+                     (((uintptr_t)x | (uintptr_t)w | (uintptr_t)out) & 15) == 0;
     unsigned long long bad = ~0ull; /* first: x's input check (as mb_rms_k) */
-    for (int64_t m = blockIdx.x; m < M; m += gridDim.x) {
+    for (int64_t m = (int64_t)blockIdx.x * FN_ROWS + threadIdx.x / 32; m < M;
+         m += (int64_t)gridDim.x * FN_ROWS) {
         const float *xr = x + m * ldx;
+        float *dst = out + m * ldo;
         float s = 0.0f;
-        for (int64_t j = tid; j < n; j += FN_THREADS) {
-            const float v = xr[j];
-            if (first) mb_note_nonfinite(v, m * ldx + j, &bad);
-            s = fmaf(v, v, s);
+        if (vec) {
+            for (int64_t j = 4 * lane; j < n; j += 128) {
+                const float4 v = *(const float4 *)&xr[j];
+                if (first) {
+                    mb_note_nonfinite(v.x, m * ldx + j, &bad);
+                    mb_note_nonfinite(v.y, m * ldx + j + 1, &bad);
+                    mb_note_nonfinite(v.z, m * ldx + j + 2, &bad);
+                    mb_note_nonfinite(v.w, m * ldx + j + 3, &bad);
+                }
+                s = fmaf(v.x, v.x, s), s = fmaf(v.y, v.y, s);
+                s = fmaf(v.z, v.z, s), s = fmaf(v.w, v.w, s);
+            }
+        } else {
+            for (int64_t j = lane; j < n; j += 32) {
+                const float v = xr[j];
+                if (first) mb_note_nonfinite(v, m * ldx + j, &bad);
+                s = fmaf(v, v, s);
+            }
         }
         for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
-        if (lane == 0) part[tid / 32] = s;
-        __syncthreads();
-        if (tid < 32) {
-            s = lane < FN_THREADS / 32 ? part[lane] : 0.0f;
-            for (int o = 16; o > 0; o /= 2) s += MB_SHFL_XOR(s, o);
-            if (lane == 0) r = rsqrtf(s / (float)n + MB_EPS);
+        const float r = rsqrtf(s / (float)n + MB_EPS);
+        if (vec) {
+            for (int64_t j = 4 * lane; j < n; j += 128) {
+                const float4 v = *(const float4 *)&xr[j], wv = *(const float4 *)&w[j];
+                *(float4 *)&dst[j] = make_float4(v.x * r * wv.x, v.y * r * wv.y, v.z * r * wv.z,
+                                                 v.w * r * wv.w);
+            }
+        } else {
+            for (int64_t j = lane; j < n; j += 32) dst[j] = xr[j] * r * w[j];
         }
-        __syncthreads();
-        float *dst = out + m * ldo;
-        for (int64_t j = tid; j < n; j += FN_THREADS) dst[j] = xr[j] * r * w[j];
-        __syncthreads();
     }
     mb_report_nonfinite(first, bad);
 }
@@ -259,3 +276,4 @@ mb_fast_rmsnorm_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float
 #undef TB_NJ
 #undef FG_THREADS
 #undef FN_THREADS
+#undef FN_ROWS
