@@ -140,8 +140,8 @@ def test_fast_wgmma_rounds_operands(backend):
     """On Hopper, fast mode's projections take wgmma.cu's kernel: its result equals
     the exact product of the operands rounded to TF32 to nearest, up to fp32
     accumulation (about 5e-6 at K 2048; truncated operands, which wgmma alone would
-    read, miss by about 5e-4), at tile edges, past K's 32-term slices and with the residual; repeated calls
-    give the same bits."""
+    read, miss by about 5e-4), at tile edges, past K's 32-term slices and with the
+    residual (added to the product's bits); repeated calls give the same bits."""
     be = _backends._get("cuda")[0]
     if "sm_90" not in be.description:
         pytest.skip("wgmma.cu's kernel runs on sm_90 (Hopper) only")
@@ -157,6 +157,10 @@ def test_fast_wgmma_rounds_operands(backend):
                                     res=None if res is None else mamba.asarray(res)))
             want = exact + (0 if res is None else R)
             assert rel(Y, want) <= 5e-5, (M, N, K, res is None)
+            if res is None:
+                Y0 = Y
+            else:  # the residual is one float32 addition to the product's bits
+                assert Y.tobytes() == (R + Y0).tobytes(), (M, N, K)
             again = be._gemm(mamba.asarray(X), mamba.asarray(W), M, N, K, fast=True,
                              res=None if res is None else mamba.asarray(res))
             assert bytes(memoryview(again)) == Y.tobytes(), (M, N, K)
