@@ -52,6 +52,7 @@ TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M
 TF32_SMEM = 4 * 3 * (TF32_BM + TF32_BN) * (32 + 4)  # TB_STAGES stages of padded rows
 WGMMA_BM, WGMMA_BN, WGMMA_THREADS = 128, 256, 384  # wgmma.cu mb_fast_wgmma_k: WG_BM, WG_BN
 WGMMA_STAGES, WGMMA_BK = 4, 32                      # wgmma.cu: WG_STAGES, WG_BK
+TMAP_KEEP = 256  # tensor maps kept (_tmap); the cache starts over past that
 # the stages, 1 KiB to align them to the swizzle's atoms, a full and an empty barrier a stage
 WGMMA_SMEM = WGMMA_STAGES * ((WGMMA_BM + WGMMA_BN) * WGMMA_BK * 4 + 2 * 8) + 1024
 FAST_GEMV_ROWS, FAST_THREADS = 8, 256              # fast.cu: rows per block, threads
@@ -387,6 +388,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._chain = None  # the capturing stream whose last node is a kernel
         self._dependents = False
         self._guard = threading.local()  # step_guard: per thread, as each capture is
+        self._tmaps = {}  # _tmap's encoded maps
 
     # ------------------------------------------------------------ driver plumbing
     def _ck(self, res, what):
@@ -736,11 +738,23 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _tmap(self, a, rows, K, ld, box):
         """The TMA tensor map of a rows x K float32 matrix at a (ld floats apart) read
         as TF32 (rounded to nearest as it is copied), in boxes of box rows x 32 terms with
-        the 128-byte swizzle (wgmma.cu)."""
+        the 128-byte swizzle (wgmma.cu). A map is a pure function of these, kept for the
+        next call that asks for the same (weights keep their addresses, and the pool
+        mostly hands a repeated call's scratch the same ones): encoding one costs tens
+        of microseconds of host time, which a lone call's device would wait through."""
+        key = (_ptr(a), rows, K, ld, box)
+        tm = self._tmaps.get(key)
+        if tm is None:
+            if len(self._tmaps) >= TMAP_KEEP:
+                self._tmaps.clear()
+            tm = self._tmaps[key] = self._encode_tmap(*key)
+        return tm
+
+    def _encode_tmap(self, ptr, rows, K, ld, box):
         cu = self.cu
         u64, u32 = cu.cuuint64_t, cu.cuuint32_t
         tm = self._ck(cu.cuTensorMapEncodeTiled(
-            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_TFLOAT32, 2, _ptr(a), [u64(K), u64(rows)],
+            cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_TFLOAT32, 2, ptr, [u64(K), u64(rows)],
             [u64(4 * ld)], [u32(32), u32(box)], [u32(1), u32(1)],
             cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,

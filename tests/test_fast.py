@@ -164,6 +164,9 @@ def test_fast_wgmma_rounds_operands(backend):
             again = be._gemm(mamba.asarray(X), mamba.asarray(W), M, N, K, fast=True,
                              res=None if res is None else mamba.asarray(res))
             assert bytes(memoryview(again)) == Y.tobytes(), (M, N, K)
+    assert be._tmaps, "the wgmma GEMM encoded no tensor maps"
+    for key, tm in list(be._tmaps.items()):  # a kept map is the one encoding it again gives
+        assert bytes(tm) == bytes(be._encode_tmap(*key)), key
 
 
 @pytest.mark.parametrize("name,backend", CASES)

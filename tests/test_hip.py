@@ -328,7 +328,7 @@ def cuda_calls_reached_on_hip():
     programmatic dependent launch (HipBackend sets programmatic False) and the TMA
     tensor maps of the wgmma GEMM (HipBackend's wgmma is False)."""
     own = {("probe",), ("CudaBackend", "__init__"), ("CudaBackend", "_enter"),
-           ("CudaBackend", "_launch_dependent"), ("CudaBackend", "_tmap")}
+           ("CudaBackend", "_launch_dependent"), ("CudaBackend", "_encode_tmap")}
     tree = ast.parse(open(_cuda.__file__).read())
     calls = set()
 
