@@ -469,6 +469,20 @@ def test_gemm(be, M, N, K):
     assert raw(be._gemm(X, W, M, N, K)) == raw(_core._gemm(X, W, M, N, K))
 
 
+@pytest.mark.parametrize("M,N,K", [(129, 257, 13), (300, 520, 9)])
+def test_gemm_residual(be, monkeypatch, M, N, K):
+    """The wide tiled GEMM with the residual (whole tiles add it in a pass of their
+    own, edge tiles per output): one float32 addition to the C reference's product."""
+    X, W, R = rand((M, K), M), rand((N, K), N), rand((M, N), K)
+    names, launch = [], be._launch
+    monkeypatch.setattr(be, "_launch", lambda s, n, *a, **k: names.append(n) or
+                        launch(s, n, *a, **k))
+    monkeypatch.setattr(_cuda, "TAIL_MAX", 0.0)  # every tile a wide one
+    want = array.array("f", (r + y for r, y in zip(floats(R), floats(_core._gemm(X, W, M, N, K)))))
+    assert raw(be._gemm(X, W, M, N, K, res=R)) == want.tobytes()
+    assert "mb_gemm_res_k" in names, names
+
+
 def _fold_on_device(be, fold, a, b, P):
     """fold(s, sc, a, b, out) (a g_colfold or g_fold_flat) on the host floats a and b
     (None: no b) uploaded; the P results back on the host."""

@@ -176,6 +176,19 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
         }
     }
 
+    /* a whole tile takes its residual in a pass of its own, before any store: its
+     * loads then go out together, where between stores to Y (which may alias res, as
+     * far as the compiler knows) each would wait for the one before */
+    const bool whole = RES && m0 + BM <= M && n0 + BN <= N;
+    if (whole)
+#pragma unroll
+        for (int i = 0; i < TM; i++)
+#pragma unroll
+            for (int j = 0; j < TN; j++) {
+                const int64_t m = m0 + wm + i / 4 * LY * 4 + ly * 4 + i % 4;
+                const int64_t n = n0 + wn + j / 4 * LX * 4 + lx * 4 + j % 4;
+                acc[i][j] = res[m * ldr + n] + acc[i][j];
+            }
 #pragma unroll
     for (int i = 0; i < TM; i++) {
         const int64_t m = m0 + wm + i / 4 * LY * 4 + ly * 4 + i % 4;
@@ -183,7 +196,7 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
 #pragma unroll
         for (int j = 0; j < TN; j++) {
             const int64_t n = n0 + wn + j / 4 * LX * 4 + lx * 4 + j % 4;
-            if (n < N) Y[m * ldy + n] = RES ? res[m * ldr + n] + acc[i][j] : acc[i][j];
+            if (n < N) Y[m * ldy + n] = RES && !whole ? res[m * ldr + n] + acc[i][j] : acc[i][j];
         }
     }
 }
