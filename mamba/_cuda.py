@@ -563,6 +563,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         wait() runs the search itself if no norm took it."""
         self._enter()
         s, cu, n = self.stream(), self.cu, len(arrays)
+        assert n == 1 or not in_norm
         host, event, _, first, _ = slot = self._readback_slot(n)
         self._ck(cu.cuMemsetD8Async(first, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
         check = _InputCheck(arrays[0], first, slot) if in_norm else None
@@ -585,9 +586,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _search(self, s, arrays, slot):
         """mb_first_nonfinite_k over each array into the slot's words, then their
         read-back."""
+        first = slot[3]
         for i, a in enumerate(arrays):
             self._launch(s, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a,
-                         slot[3] + 8 * i)
+                         first + 8 * i)
         self._read_back(s, slot, len(arrays))
 
     def _read_back(self, s, slot, n):
@@ -596,8 +598,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._ck(self.cu.cuEventRecord(event, s), "cuEventRecord")
 
     def _input_check(self, x, M, n, ldx):
-        """The first_nonfinite_later(in_norm=True) search a norm of M rows of n at x
-        (rows ldx apart) takes: its answer word's pointer (0: none)."""
+        """The first_nonfinite_later(in_norm=True) search that a norm of M rows of n
+        at x (rows ldx apart) takes over (its _InputCheck), or None: only a norm over
+        exactly the checked elements, contiguous, takes one."""
         check = getattr(self._guard, "input", None)
         if check is None or ldx != n or _ptr(x) != check.a.ptr or M * n != check.a.size:
             return None
