@@ -633,8 +633,9 @@ MB_DEV void m3_state(int64_t H, const int64_t *cbeg, const int64_t *desc, const 
         __syncthreads(); /* chunk c is ready for all; the tables are read */
         float acc[4 * NH][4] = {};
         const float(*vr)[VW] = (const float(*)[VW])Vs;
-        for (int k = 0; k < n; k += 8)
-            ssdf_kstep<NH, VW>(acc, vr, (const float(*)[SSD_NS])Ks, k, t4, pb, mb);
+#pragma unroll /* fixed offsets; the loop form kept 8 bytes in local memory */
+        for (int k = 0; k < M3Q; k += 8)
+            if (k < n) ssdf_kstep<NH, VW>(acc, vr, (const float(*)[SSD_NS])Ks, k, t4, pb, mb);
 #pragma unroll
         for (int q = 0; q < 4 * NH; q++)
 #pragma unroll
@@ -838,6 +839,7 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_THREADS, 3) mb_fast_m3_y_k(M3_Y_PARAMS, M3_ROT_
     const int ra = 16 * (w % 4) + gq, cb = 32 * (w / 4) + gq; /* fragment row, column */
     float g[4][4] = {}, y[4][4] = {};
     constexpr int steps = SSD_NS / M3Y_K;
+#pragma unroll /* the ring's slots and every offset fixed at compile time */
     for (int st = 0; st < steps; st++) {
         mb_cp_wait<M3Y_STAGES - 2>(); /* this thread's pieces of stage st landed */
         const int pp = (M3Y_K * st + cm) / 2;
