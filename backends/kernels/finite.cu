@@ -13,7 +13,7 @@ MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long 
     }
 }
 
-/* The same search run by a prefill's norm as it reads x (CudaBackend.input_check):
+/* The same search run by a prefill's norm as it reads x (first_nonfinite_later(in_norm)):
  * a thread keeps the least bad index it saw (bad, all ones for none) and reports it
  * once, so an input of NaNs costs one atomic a thread, not one an element. */
 MB_DEV void mb_note_nonfinite(float v, int64_t i, unsigned long long *bad)

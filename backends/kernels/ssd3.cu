@@ -633,7 +633,7 @@ MB_DEV void m3_state(int64_t H, const int64_t *cbeg, const int64_t *desc, const 
         __syncthreads(); /* chunk c is ready for all; the tables are read */
         float acc[4 * NH][4] = {};
         const float(*vr)[VW] = (const float(*)[VW])Vs;
-#pragma unroll /* fixed offsets; the loop form kept 8 bytes in local memory */
+#pragma unroll /* fixed offsets: as a loop, two values spill to local memory */
         for (int k = 0; k < M3Q; k += 8)
             if (k < n) ssdf_kstep<NH, VW>(acc, vr, (const float(*)[SSD_NS])Ks, k, t4, pb, mb);
 #pragma unroll

@@ -152,7 +152,8 @@ mb_fast_wgmma_k(int64_t M, int64_t N, int64_t K, const __grid_constant__ mb_tmap
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
-                for (int u = 0; u < 2; u++) r[j][u] = *(const float2 *)(rb + 8 * u * ldr + 8 * (j0 + j));
+                for (int u = 0; u < 2; u++)
+                    r[j][u] = *(const float2 *)(rb + 8 * u * ldr + 8 * (j0 + j));
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -166,7 +167,8 @@ mb_fast_wgmma_k(int64_t M, int64_t N, int64_t K, const __grid_constant__ mb_tmap
         for (int j = 0; j < WG_BN / 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e += 2) {
-                const int64_t m = m0 + half * 64 + 16 * w + g + (e ? 8 : 0), n = n0 + 8 * j + 2 * t4;
+                const int64_t m = m0 + half * 64 + 16 * w + g + (e ? 8 : 0);
+                const int64_t n = n0 + 8 * j + 2 * t4;
                 mb_add_pair(res, ldr, M, N, m, n, d[4 * j + e], d[4 * j + e + 1], pair);
             }
     }
