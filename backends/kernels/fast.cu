@@ -33,27 +33,16 @@
 #define TB_STAGES 3
 #define TB_THREADS (32 * TB_WM * TB_WN)
 
-/* v0, v1 += res at (m, n) and (m, n + 1), those inside M x N; pair: one 8-byte load. */
-MB_DEV void mb_add_pair(const float *res, int64_t ldr, int64_t M, int64_t N, int64_t m,
-                        int64_t n, float &v0, float &v1, bool pair)
-{
-    if (m >= M || n >= N) return;
-    if (pair && n + 1 < N) {
-        const float2 r = *(const float2 *)(res + m * ldr + n);
-        v0 = r.x + v0, v1 = r.y + v1;
-    } else {
-        v0 = res[m * ldr + n] + v0;
-        if (n + 1 < N) v1 = res[m * ldr + n + 1] + v1;
-    }
-}
-
 /* Outputs (m, n) and (m, n + 1) of a tensor-core tile, those inside M x N, plus res
  * when given; pair: Y and res take 8-byte stores and loads there. */
 MB_DEV void mb_put_pair(float *Y, int64_t ldy, const float *res, int64_t ldr, int64_t M, int64_t N,
                         int64_t m, int64_t n, float v0, float v1, bool pair)
 {
     if (m >= M || n >= N) return;
-    if (res) mb_add_pair(res, ldr, M, N, m, n, v0, v1, pair);
+    if (res) {
+        v0 = res[m * ldr + n] + v0;
+        if (n + 1 < N) v1 = res[m * ldr + n + 1] + v1;
+    }
     if (pair && n + 1 < N) {
         *(float2 *)(Y + m * ldy + n) = make_float2(v0, v1);
     } else {

@@ -1,21 +1,15 @@
 /* Refusal of non-finite device inputs (SPEC 9). */
 #include "vendor.h"
 
-/* First NaN or +-inf of a device buffer: an integer atomicMin of the flat index,
- * so the answer is the first bad index whatever the schedule. *first must hold all
- * ones before the launch. */
-MB_DEV bool mb_nonfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+MB_DEV bool mb_nonfinite_bits(uint32_t b) { return (b & 0x7f800000u) == 0x7f800000u; }
+MB_DEV bool mb_nonfinite(float v) { return mb_nonfinite_bits(__float_as_uint(v)); }
 
-MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long long *first)
-{
-    MB_GRID_LOOP(i, n) {
-        if ((x[i] & 0x7f800000u) == 0x7f800000u) atomicMin(first, (unsigned long long)i);
-    }
-}
-
-/* The same search run by a prefill's norm as it reads x (first_nonfinite_later(in_norm)):
- * a thread keeps the least bad index it saw (bad, all ones for none) and reports it
- * once, so an input of NaNs costs one atomic a thread, not one an element. */
+/* The first NaN or +-inf of what a thread reads: it keeps the least bad flat index
+ * it saw (bad, all ones for none) and reports it with one integer atomicMin, so the
+ * answer is the first bad index whatever the schedule, and an input of NaNs costs an
+ * atomic a thread, not one an element. *first must hold all ones before the launch.
+ * A prefill's norm runs the same search as it reads x (first_nonfinite_later's
+ * in_norm). */
 MB_DEV void mb_note_nonfinite(float v, int64_t i, unsigned long long *bad)
 {
     if (mb_nonfinite(v) && (unsigned long long)i < *bad) *bad = (unsigned long long)i;
@@ -24,6 +18,13 @@ MB_DEV void mb_note_nonfinite(float v, int64_t i, unsigned long long *bad)
 MB_DEV void mb_report_nonfinite(unsigned long long *first, unsigned long long bad)
 {
     if (first && bad != ~0ull) atomicMin(first, bad);
+}
+
+MB_KERNEL void mb_first_nonfinite_k(int64_t n, const uint32_t *x, unsigned long long *first)
+{
+    unsigned long long bad = ~0ull;
+    MB_GRID_LOOP(i, n) mb_note_nonfinite(__uint_as_float(x[i]), i, &bad);
+    mb_report_nonfinite(first, bad);
 }
 
 /* A decode session's guard, the first kernel of each step (one block), so that a
@@ -72,7 +73,7 @@ MB_DEV void mb_guard_step(int64_t n, const uint32_t *x, unsigned long long *g,
             }
 #pragma unroll
             for (int u = 0; u < GUARD_LOADS; u++)
-                if ((v[u] & 0x7f800000u) == 0x7f800000u)
+                if (mb_nonfinite_bits(v[u]))
                     atomicMin(&first, (unsigned long long)(i0 + u * blockDim.x));
         }
     __syncthreads();

@@ -302,7 +302,7 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         for (int m = 0; m < mrows; m++)
             for (int j = tid; j < K; j += GV_THREADS) {
                 const float v = Xs[m * xld + j];
-                if (host && (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u)
+                if (host && mb_nonfinite(v))
                     atomicMin(&bad, (unsigned long long)(m * K + j));
                 Xs[m * xld + j] = (v * rr[m]) * sw[j];
             }

@@ -23,7 +23,7 @@
 /* rows [m0, m0 + rows) whole (chain.h mb_norm_rows), then scaled from there */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
                       int ld, float *sm, float *r, const float *w, float *out, int64_t ldo,
-                      bool check, unsigned long long *bad)
+                      unsigned long long *bad)
 {
     __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
@@ -32,7 +32,7 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
     for (int m = 0; m < rows; m++)
         for (int j = tid; j < n; j += RN_THREADS) {
             const float v = sm[m * ld + j];
-            if (check) mb_note_nonfinite(v, (m0 + m) * ldx + j, bad);
+            if (bad) mb_note_nonfinite(v, (m0 + m) * ldx + j, bad); /* the input check */
             out[(m0 + m) * ldo + j] = (v * rr[m]) * sw[j];
         }
     __syncthreads();
@@ -109,7 +109,7 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
         if (out)
-            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo, first != 0, &bad);
+            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo, first ? &bad : nullptr);
         else if (n > MB_DOT_LEAF)
             rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
         else

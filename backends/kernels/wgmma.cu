@@ -140,11 +140,13 @@ mb_fast_wgmma_k(int64_t M, int64_t N, int64_t K, const __grid_constant__ mb_tmap
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     /* d[4 j + e]: row 16 w + g (+8 for e >= 2) of this half, column 8 j + 2 t4 + (e & 1).
-     * res is added in a pass of its own, a whole tile's loads 16 at a time ahead of
-     * their sums: between stores to Y (which the compiler must assume may alias res),
-     * or behind the bounds' branches, each load would wait for the one before. */
+     * A whole tile adds res in a pass of its own, its loads ahead of their sums: between
+     * stores to Y (which the compiler must assume may alias res), or behind the bounds'
+     * branches, each load would wait for the one before. An edge tile adds it as it
+     * stores. */
     const bool pair = ((ldy | ldr) & 1) == 0 && (((uintptr_t)Y | (uintptr_t)res) & 7) == 0;
-    if (res && pair && m0 + WG_BM <= M && n0 + WG_BN <= N) {
+    const bool whole = res && pair && m0 + WG_BM <= M && n0 + WG_BN <= N;
+    if (whole) {
         const float *rb = res + (int64_t)(m0 + half * 64 + 16 * w + g) * ldr + n0 + 2 * t4;
 #pragma unroll
         for (int j0 = 0; j0 < WG_BN / 8; j0 += 8) {
@@ -162,22 +164,14 @@ mb_fast_wgmma_k(int64_t M, int64_t N, int64_t K, const __grid_constant__ mb_tmap
                     o[0] = r[j][u].x + o[0], o[1] = r[j][u].y + o[1];
                 }
         }
-    } else if (res) {
-#pragma unroll
-        for (int j = 0; j < WG_BN / 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int64_t m = m0 + half * 64 + 16 * w + g + (e ? 8 : 0);
-                const int64_t n = n0 + 8 * j + 2 * t4;
-                mb_add_pair(res, ldr, M, N, m, n, d[4 * j + e], d[4 * j + e + 1], pair);
-            }
     }
 #pragma unroll
     for (int j = 0; j < WG_BN / 8; j++)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
             const int64_t m = m0 + half * 64 + 16 * w + g + (e ? 8 : 0), n = n0 + 8 * j + 2 * t4;
-            mb_put_pair(Y, ldy, nullptr, ldr, M, N, m, n, d[4 * j + e], d[4 * j + e + 1], pair);
+            mb_put_pair(Y, ldy, whole ? nullptr : res, ldr, M, N, m, n, d[4 * j + e],
+                        d[4 * j + e + 1], pair);
         }
 }
 #endif
