@@ -216,11 +216,11 @@ class _Mem:
 
 class _InputCheck:
     """A prefill's input check left to its norm (CudaBackend.first_nonfinite_later):
-    a, the array (None once a norm took it); first, its answer word; slot, the
-    read-back slot."""
+    a, the array (None once a norm took it); slot, the read-back slot whose device
+    word takes the answer."""
 
-    def __init__(self, a, first, slot):
-        self.a, self.first, self.slot = a, first, slot
+    def __init__(self, a, slot):
+        self.a, self.slot = a, slot
 
 
 class _PoolMem:
@@ -564,9 +564,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._enter()
         s, cu, n = self.stream(), self.cu, len(arrays)
         assert n == 1 or not in_norm
-        host, event, _, first, _ = slot = self._readback_slot(n)
-        self._ck(cu.cuMemsetD8Async(first, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
-        check = _InputCheck(arrays[0], first, slot) if in_norm else None
+        host, event, _, words = slot = self._readback_slot(n)
+        self._ck(cu.cuMemsetD8Async(words.ptr, 0xFF, 8 * n, s.cu), "cuMemsetD8Async")
+        check = _InputCheck(arrays[0], slot) if in_norm else None
         if check is None:
             self._search(s.cu, arrays, slot)
         else:
@@ -586,15 +586,14 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _search(self, s, arrays, slot):
         """mb_first_nonfinite_k over each array into the slot's words, then their
         read-back."""
-        first = slot[3]
         for i, a in enumerate(arrays):
             self._launch(s, "mb_first_nonfinite_k", (self._grid(a.size),), THREADS, a.size, a,
-                         first + 8 * i)
+                         slot[3].ptr + 8 * i)
         self._read_back(s, slot, len(arrays))
 
     def _read_back(self, s, slot, n):
-        host, event, _, first, _ = slot
-        self._ck(self.cu.cuMemcpyDtoHAsync(host, first, 8 * n, s), "cuMemcpyDtoHAsync")
+        host, event, _, words = slot
+        self._ck(self.cu.cuMemcpyDtoHAsync(host, words.ptr, 8 * n, s), "cuMemcpyDtoHAsync")
         self._ck(self.cu.cuEventRecord(event, s), "cuEventRecord")
 
     def _input_check(self, x, M, n, ldx):
@@ -608,9 +607,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return check
 
     def _readback_slot(self, n):
-        """(pinned host words, event, their count >= n, device words), reused (a
-        read-back into pageable memory would wait for the whole stream; the device
-        words outlive the calls whose norms write them)."""
+        """(pinned host words, event, their count >= n, device words as a _Mem),
+        reused (a read-back into pageable memory would wait for the whole stream; the
+        device words outlive the calls whose norms write them)."""
         with self._lock:
             for k, slot in enumerate(self._readbacks):
                 if slot[2] >= n:
@@ -618,8 +617,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         words, cu = max(n, 64), self.cu
         host = int(self._ck(cu.cuMemHostAlloc(8 * words, 0), "cuMemHostAlloc"))
         event = self._ck(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        dev = _Mem(self, 8 * words)
-        return host, event, words, dev.ptr, dev
+        return host, event, words, _Mem(self, 8 * words)
 
     def sync_for_consumer(self, arr, consumer):
         """DLPack export: the consumer's stream waits for the stream that wrote arr."""
@@ -825,7 +823,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                            if fast else (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
         check = self._step_check(s, blocks, threads)
         ic = self._input_check(x, M, n, ldx)
-        first = ic.first if ic else 0
+        first = ic.slot[3].ptr if ic else 0
         if fast:
             self._launch(s, "mb_fast_rmsnorm_k", (blocks,), threads, M, n, x, ldx, w, out, n,
                          *check, first)
@@ -1081,16 +1079,16 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._finish(s, [(Y, yd)])
         return Y
 
-    def _rmsnorm_rows(self, X, W, M, n, in_place=False):
-        """RMSNorm of M rows of n of host X with weight W on the device (identical); a
-        host result (tests). in_place: the output overwrites the rows."""
+    def _rmsnorm_rows(self, X, W, M, n, in_place=False, fast=False):
+        """RMSNorm of M rows of n of host X with weight W on the device; a host result
+        (tests). in_place: the output overwrites the rows."""
         self._enter()
         s = self.stream()
         Y = _core.empty((M, n))
         with _Scratch(self, s) as sc:
             xd, wd, r = self._on_device(sc, X), self._on_device(sc, W), sc(M)
             yd = xd if in_place else sc(M * n)
-            self._rmsnorm(s.cu, False, M, n, xd, wd, yd, r)
+            self._rmsnorm(s.cu, fast, M, n, xd, wd, yd, r)
             self._finish(s, [(Y, yd)])
         return Y
 

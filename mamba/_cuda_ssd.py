@@ -54,8 +54,7 @@ def m2_dims(d_model):
 def m3_dims(d_model):
     """Mamba-3's inner width, heads and in_proj row width (z | x | B | C | dd_dt |
     dd_A | trap | angles)."""
-    di = 2 * d_model
-    H = di // HP
+    di, H, _ = m2_dims(d_model)
     return di, H, 2 * di + 2 * NS + 3 * H + NA
 
 
@@ -185,8 +184,8 @@ class SsdMixin:
         which the front then reads (uploaded after it otherwise); parts: the
         projections' leaf scratch; blocks: in_proj's output as _front_cols gives it
         (Mamba-3: z, x and the rest; Mamba-2: one block)."""
-        B, L, di = x.shape[0], x.shape[1], 2 * dm
-        _, H, NP = (m3_dims if m3 else m2_dims)(dm)
+        B, L = x.shape[0], x.shape[1]
+        di, _, NP = (m3_dims if m3 else m2_dims)(dm)
         M = B * L if lengths is None else plan.M
         I = {} if lengths is None else plan.upload(sc)
         I["M"], I["r"] = M, sc(M)
