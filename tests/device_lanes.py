@@ -10,7 +10,7 @@ import pytest
 
 import mamba
 from mamba import _backends, _core
-from _util import floats, rand, raw, time_slice
+from _util import FAST_BOUND, floats, rand, raw, rel_l2, time_slice
 from blocks import BLOCKS, make
 
 REPORTS = {"mamba1": (), "mamba2": ("h_last_",),
@@ -276,6 +276,26 @@ def rmsnorm_rows(be, M, n):
     want = raw(_core._rmsnorm(X, W, M, n))
     assert raw(be._rmsnorm_rows(X, W, M, n)) == want
     assert raw(be._rmsnorm_rows(X, W, M, n, in_place=True)) == want
+
+
+# (M, n) of fast mode's norm: 16-byte loads (n % 4 == 0) or not, rows past a grid
+FAST_NORM_SHAPES = [(1, 2048), (9, 13), (33, 386), (70, 64), (2000, 24)]
+
+
+def fast_rmsnorm_rows(be, M, n):
+    """Fast mode's device RMSNorm (a warp a row, 16-byte loads where n allows) stays
+    within fast mode's bound of the float64 norm, and gives the same bits when
+    written over its input."""
+    X, W = rand((M, n), 52), rand((n,), 53)
+    xs, ws = floats(X), floats(W)
+    want = []
+    for m in range(M):
+        row = xs[m * n:(m + 1) * n]
+        r = 1.0 / math.sqrt(sum(v * v for v in row) / n + 1e-5)
+        want += [v * r * w for v, w in zip(row, ws)]
+    got = be._rmsnorm_rows(X, W, M, n, fast=True)
+    assert rel_l2(floats(got), want) <= FAST_BOUND, (M, n)
+    assert raw(be._rmsnorm_rows(X, W, M, n, in_place=True, fast=True)) == raw(got), (M, n)
 
 
 def norm_gemv(be, M, N, K):

@@ -21,10 +21,11 @@ from _util import FAST_BOUND, concat_time, floats, rand, raw, rel_l2, rows, time
 from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
-from device_lanes import (NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS, assert_same,
-                          frees_during_capture, gemm_tails, host, input_check_in_norm,
-                          math_matches_reference, norm_gemv, poisoned, refusals_after_launch,
-                          rmsnorm_rows, scan_exp_ranges, ssd_session_graph, state_of)
+from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS,
+                          assert_same, fast_rmsnorm_rows, frees_during_capture, gemm_tails, host,
+                          input_check_in_norm, math_matches_reference, norm_gemv, poisoned,
+                          refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
+                          ssd_session_graph, state_of)
 
 
 
@@ -549,6 +550,11 @@ def test_token_folds(be, case, grid, monkeypatch):
 @pytest.mark.parametrize("M,n", NORM_SHAPES)
 def test_rmsnorm_rows(be, M, n):
     rmsnorm_rows(be, M, n)
+
+
+@pytest.mark.parametrize("M,n", FAST_NORM_SHAPES)
+def test_fast_rmsnorm_rows(be, M, n):
+    fast_rmsnorm_rows(be, M, n)
 
 
 @pytest.mark.parametrize("M,N,K", NORM_GEMVS)

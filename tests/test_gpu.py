@@ -17,8 +17,9 @@ import mamba
 from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
-from device_lanes import (NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS, frees_during_capture,
-                          gemm_tails, input_check_in_norm, math_matches_reference, norm_gemv,
+from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS,
+                          fast_rmsnorm_rows, frees_during_capture, gemm_tails,
+                          input_check_in_norm, math_matches_reference, norm_gemv,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
                           ssd_session_graph)
 
@@ -253,6 +254,12 @@ def test_gemm_leaves_match_reference(be, M, K):
 @pytest.mark.parametrize("M,n", NORM_SHAPES)
 def test_rmsnorm_rows(be, M, n):
     rmsnorm_rows(be, M, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,n", FAST_NORM_SHAPES)
+def test_fast_rmsnorm_rows(be, M, n):
+    fast_rmsnorm_rows(be, M, n)
 
 
 @pytest.mark.gpu
