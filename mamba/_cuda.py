@@ -46,6 +46,7 @@ GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
+SCALE_ROWS = 8                                     # rmsnorm.cu: RS_ROWS of mb_rms_scale_k
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
 GUARD_LOADS = 8                                    # finite.cu: loads in flight a thread
 TF32_BM, TF32_BN, TF32_THREADS = 128, 128, 128    # fast.cu mb_fast_gemm_k: TB_M, TB_N
@@ -833,8 +834,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          out if whole else 0, n, *check, first if whole else 0,
                          smem=self.norm_smem)
             if not whole:
-                self._launch(s, "mb_rms_scale_k", (self._grid(M * n),), THREADS, M, n, x, ldx, r,
-                             w, out, n, first)
+                self._launch(s, "mb_rms_scale_k", (min(_cdiv(M, SCALE_ROWS), 32 * self.sms),),
+                             THREADS, M, n, x, ldx, r, w, out, n, first)
         if ic:
             self._read_back(s, ic.slot, 1)
 

@@ -82,8 +82,7 @@ class Back2Mixin:
         self._launch(s, "mb_ssd_put_k", self._rows_grid(L * H, B), T,
                      B, I["off"], I["off"], I["zero"], H, zx + 4 * (di + CD), NP, DTR)
         dt, dA, cs = f(NC * H * Q), f(NC * H * Q), f(NC * H * Q)
-        self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), T, NC, I["desc"], H, DTR,
-                     dt_bias, A_log, _bits(dt_limit[0]), _bits(dt_limit[1]), dt, dA, cs)
+        self._m2_prep(s, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
         G = f(NC * Q * Q)
         self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
         Ec, hck = f(NC * H), f(NC * H * per)

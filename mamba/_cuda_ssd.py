@@ -39,6 +39,7 @@ M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
+PREP_HEADS = 8     # ssd2.cu M2_PREP_HEADS: heads a block of mb_m2_prep_k (M2_Q threads)
 MAX_GRID_Z = 65535
 S_GROUP = 1 << 27  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
@@ -178,6 +179,12 @@ class SsdMixin:
         self._kernels(*names, smem=SMEM)
         return _cuda
 
+    def _m2_prep(self, s, NC, desc, H, DTR, dt_bias, A_log, limit, dt, dA, cs):
+        """dt, dA and their cumsums of NC chunks (desc) of H heads from DTR."""
+        if NC:
+            self._launch(s, "mb_m2_prep_k", (NC, -(-H // PREP_HEADS)), M2_Q, desc, H, DTR,
+                         dt_bias, A_log, _bits(limit[0]), _bits(limit[1]), dt, dA, cs)
+
     def _ssd_front(self, s, sc, x, lengths, plan, w, dm, fast, m3):
         """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks), I holding
         M, the norm's scratch and, where rows are packed (lengths), the plan's tables,
@@ -303,8 +310,7 @@ class SsdMixin:
             # the chunks: dt and cumsums, G, each chunk's contraction, the state pass,
             # the outputs
             dt, dA, cs = sc(NC * H * M2_Q), sc(NC * H * M2_Q), sc(NC * H * M2_Q)
-            self._launch(s, "mb_m2_prep_k", (self._grid(NC * H),), C.THREADS, NC, I["desc"], H,
-                         DTR, dt_bias, A_log, _bits(dt_limit[0]), _bits(dt_limit[1]), dt, dA, cs)
+            self._m2_prep(s, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
             self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
@@ -367,8 +373,7 @@ class SsdMixin:
             host = (ctypes.c_int64 * len(desc))(*desc)
             dp = sc.upload(ctypes.addressof(host), 8 * len(desc))
             dt, dA, cs = sc(B * H * M2_Q), sc(B * H * M2_Q), sc(B * H * M2_Q)
-            self._launch(s, "mb_m2_prep_k", (self._grid(B * H),), C.THREADS, B, dp, H, bd,
-                         dt_bias, A_log, _bits(lo), _bits(hi), dt, dA, cs)
+            self._m2_prep(s, B, dp, H, bd, dt_bias, A_log, (lo, hi), dt, dA, cs)
             od = out.ptr if on_device else sc(out.size)
             self._launch(s, "mb_m2_fold_k", (B, H), FOLD_THREADS, dp, H, di, CD, bx, dt, cs, h,
                          od, 0)

@@ -115,6 +115,22 @@ def gemm_tails(be, monkeypatch):
     assert len(tails) == 4
 
 
+def m2_head_groups(be):
+    """Mamba-2 with more heads than a block of mb_m2_prep_k takes (ssd2.cu: 8), its
+    last group partial: a stateful prefill past a chunk boundary, a continuation that
+    leaves rows open and the h_last report folding them give the C reference's bits."""
+    x = rand((2, 262, 320), 60)
+    got = []
+    for backend in ("cpu", "cuda"):
+        blk = make("mamba2", d_model=320, backend=backend)
+        assert blk.d_inner // 64 == 10
+        st = blk.allocate_state(2)
+        out = [("y", host(blk.forward(time_slice(x, 0, 257), st)))]
+        out += [("y, continued", host(blk.forward(time_slice(x, 257, 262), st)))]
+        got.append(out + state_of(st) + reports_of(blk, "mamba2", "after"))
+    assert_same(got[1], got[0], "mamba2, 10 heads")
+
+
 SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]
 
 
@@ -260,7 +276,8 @@ def input_check_in_norm(be, name, mode, monkeypatch):
     assert host(gpu.forward(be.copy(one))) == host(gpu.forward(be.copy(one)))
 
 
-NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000)]
+NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000), (37, 1001),
+               (600, 1000)]
 # (M, N, K) of the GEMV normalizing its rows itself: a row, a block's 8 rows and
 # one more, K a stage, not a multiple of 4, past a stage, Mamba-2's out_proj
 NORM_GEMVS = [(1, 40, 2048), (8, 33, 13), (9, 70, 1031), (64, 32, 256), (3, 1024, 2048)]
@@ -268,8 +285,9 @@ NORM_GEMVS = [(1, 40, 2048), (8, 33, 13), (9, 70, 1031), (64, 32, 256), (3, 1024
 
 def rmsnorm_rows(be, M, n):
     """The device RMSNorm (rows held whole and scaled by mb_rms_k, or streamed through
-    its ring with and without mb_dot's tree past 8192 terms, then mb_rms_scale_k) gives
-    the C reference's bits, also written over its input."""
+    its ring with and without mb_dot's tree past 8192 terms, then mb_rms_scale_k: rows
+    of 4k floats or not, fewer rows than a block's 8, more than a grid's) gives the C
+    reference's bits, also written over its input."""
     assert {be._norm_whole(m, k) for m, k in NORM_SHAPES} == {False, True}, \
         "the shapes take both paths"
     X, W = rand((M, n), 50), rand((n,), 51)

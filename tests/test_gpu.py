@@ -18,7 +18,7 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS,
-                          fast_rmsnorm_rows, frees_during_capture, gemm_tails,
+                          fast_rmsnorm_rows, frees_during_capture, gemm_tails, m2_head_groups,
                           input_check_in_norm, math_matches_reference, norm_gemv,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
                           ssd_session_graph)
@@ -276,6 +276,11 @@ def test_scan_exp_ranges(be):
 @pytest.mark.gpu
 def test_gemm_tails(be, monkeypatch):
     gemm_tails(be, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_m2_head_groups(be):
+    m2_head_groups(be)
 
 
 @pytest.mark.gpu

@@ -24,8 +24,11 @@ MB_DEV float conv_taps(const float *w, float bias, const float v[TAPS])
 
 /* Grid (x over runs of CONV_RUN tokens x C, y over rows): an item walks one channel
  * through a run of tokens, its last three inputs kept in registers, so each input
- * is loaded once. */
+ * is loaded once. The run's inputs are loaded CONV_BATCH at a time before any output
+ * is stored: u may alias in as far as the compiler knows, so a load after a store
+ * would wait for it, one load in flight a thread. */
 #define CONV_RUN 32
+#define CONV_BATCH 8
 template <class F>
 MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in, int64_t ldi,
                       const float *window, const float *w, const float *bias, float *u,
@@ -43,12 +46,23 @@ MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in,
                 const int64_t p = t0 - (TAPS - 1) + k;
                 v[k] = p >= 0 ? in[(o + p) * ldi + c] : win[c * TAPS + TAPS + p];
             }
-#pragma unroll 4
-            for (int64_t t = t0; t < t1; t++) {
-                v[TAPS - 1] = in[(o + t) * ldi + c];
-                u[(o + t) * ldu + c] = conv_taps<F>(w + c * TAPS, bias[c], v);
+            float wc[TAPS]; /* in registers: a load after a store would wait too */
 #pragma unroll
-                for (int k = 0; k < TAPS - 1; k++) v[k] = v[k + 1];
+            for (int k = 0; k < TAPS; k++) wc[k] = w[c * TAPS + k];
+            const float bc = bias[c];
+            for (int64_t tb = t0; tb < t1; tb += CONV_BATCH) {
+                float nx[CONV_BATCH];
+#pragma unroll
+                for (int k = 0; k < CONV_BATCH; k++)
+                    nx[k] = tb + k < t1 ? in[(o + tb + k) * ldi + c] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < CONV_BATCH; k++) {
+                    if (tb + k >= t1) break;
+                    v[TAPS - 1] = nx[k];
+                    u[(o + tb + k) * ldu + c] = conv_taps<F>(wc, bc, v);
+#pragma unroll
+                    for (int q = 0; q < TAPS - 1; q++) v[q] = v[q + 1];
+                }
             }
         }
     }
@@ -144,3 +158,4 @@ MB_KERNEL void mb_fast_conv_step_k(int64_t B, int64_t C, const float *in, int64_
 
 #undef TAPS
 #undef CONV_RUN
+#undef CONV_BATCH

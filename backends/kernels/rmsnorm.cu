@@ -118,16 +118,57 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
     mb_report_nonfinite(first, bad);
 }
 
+/* Rows scaled by their r, RS_ROWS rows a block at a time: a thread loads its items
+ * (float4 where rows allow) of all of them before it stores any, since out may alias
+ * x as far as the compiler knows and a load after a store would wait for it. */
+#define RS_ROWS 8
 MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx, const float *r,
                               const float *w, float *out, int64_t ldo, unsigned long long *first)
 {
     MB_GRID_WAIT();
     unsigned long long bad = ~0ull;
-    MB_GRID_LOOP(i, M * n) {
-        const int64_t m = i / n, j = i % n;
-        const float v = x[m * ldx + j];
-        if (first) mb_note_nonfinite(v, m * ldx + j, &bad);
-        out[m * ldo + j] = (v * r[m]) * w[j];
+    const bool vec = ((n | ldx | ldo) & 3) == 0 &&
+                     (((uintptr_t)x | (uintptr_t)w | (uintptr_t)out) & 15) == 0;
+    const int64_t per = vec ? n / 4 : n; /* a row's items */
+    for (int64_t m0 = (int64_t)blockIdx.x * RS_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RS_ROWS) {
+        const int rows = M - m0 < RS_ROWS ? (int)(M - m0) : RS_ROWS;
+        float rr[RS_ROWS];
+#pragma unroll
+        for (int k = 0; k < RS_ROWS; k++) rr[k] = k < rows ? r[m0 + k] : 0.0f;
+        for (int64_t j = threadIdx.x; j < per; j += blockDim.x) {
+            if (vec) {
+                float4 v[RS_ROWS];
+#pragma unroll
+                for (int k = 0; k < RS_ROWS; k++)
+                    if (k < rows) v[k] = *(const float4 *)(x + (m0 + k) * ldx + 4 * j);
+                const float4 wv = *(const float4 *)(w + 4 * j);
+#pragma unroll
+                for (int k = 0; k < RS_ROWS; k++) {
+                    if (k >= rows) break;
+                    const int64_t e = (m0 + k) * ldx + 4 * j;
+                    if (first) {
+                        mb_note_nonfinite(v[k].x, e, &bad), mb_note_nonfinite(v[k].y, e + 1, &bad);
+                        mb_note_nonfinite(v[k].z, e + 2, &bad), mb_note_nonfinite(v[k].w, e + 3, &bad);
+                    }
+                    float4 o;
+                    o.x = (v[k].x * rr[k]) * wv.x, o.y = (v[k].y * rr[k]) * wv.y;
+                    o.z = (v[k].z * rr[k]) * wv.z, o.w = (v[k].w * rr[k]) * wv.w;
+                    *(float4 *)(out + (m0 + k) * ldo + 4 * j) = o;
+                }
+            } else {
+                float v[RS_ROWS];
+#pragma unroll
+                for (int k = 0; k < RS_ROWS; k++)
+                    if (k < rows) v[k] = x[(m0 + k) * ldx + j];
+                const float wj = w[j];
+#pragma unroll
+                for (int k = 0; k < RS_ROWS; k++) {
+                    if (k >= rows) break;
+                    if (first) mb_note_nonfinite(v[k], (m0 + k) * ldx + j, &bad);
+                    out[(m0 + k) * ldo + j] = (v[k] * rr[k]) * wj;
+                }
+            }
+        }
     }
     mb_report_nonfinite(first, bad);
 }
@@ -137,3 +178,4 @@ MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx,
 #undef RN_LD
 #undef RN_STAGES
 #undef RN_THREADS
+#undef RS_ROWS

@@ -16,27 +16,48 @@
 
 #define M2Q 256
 
-/* One thread per (chunk, head): the chunk's n rows in order. dt, dA and cs are
- * (chunks, H, M2Q). lo and hi travel as float bit patterns. */
-MB_KERNEL void mb_m2_prep_k(int64_t NC, const int64_t *desc, int64_t H, const float *DTR,
-                            const float *dt_bias, const float *A_log, int64_t lo_bits,
-                            int64_t hi_bits, float *dt, float *dA, float *cs)
+/* Block (chunk c, heads h0 .. h0 + M2_PREP_HEADS - 1), M2Q threads: thread j takes
+ * row j's dt and dA of each of the block's heads (independent, so their loads are in
+ * flight together), then thread k walks head k's serial cumsum in shared memory. dt,
+ * dA and cs are (chunks, H, M2Q). lo and hi travel as float bit patterns. */
+#define M2_PREP_HEADS 8
+MB_KERNEL void MB_BOUNDS(M2Q) mb_m2_prep_k(const int64_t *desc, int64_t H, const float *DTR,
+                                          const float *dt_bias, const float *A_log,
+                                          int64_t lo_bits, int64_t hi_bits, float *dt, float *dA,
+                                          float *cs)
 {
+    __shared__ float sa[M2_PREP_HEADS][M2Q + 1], sc[M2_PREP_HEADS][M2Q + 1];
     const float lo = __int_as_float((int)lo_bits), hi = __int_as_float((int)hi_bits);
-    MB_GRID_LOOP(i, NC * H) {
-        const int64_t c = i / H, h = i % H, *d = desc + c * MB_DESC;
-        const int64_t e0 = d[1], n = d[2];
-        const float A = -mb_exp(A_log[h]), bias = dt_bias[h];
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            const float t = mb_clamp(mb_softplus(DTR[(e0 + j) * H + h] + bias), lo, hi);
+    const int64_t c = blockIdx.x, h0 = (int64_t)blockIdx.y * M2_PREP_HEADS, *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2];
+    const int nh = H - h0 < M2_PREP_HEADS ? (int)(H - h0) : M2_PREP_HEADS, j = threadIdx.x;
+    if (j < n) {
+        float raw[M2_PREP_HEADS];
+#pragma unroll
+        for (int k = 0; k < M2_PREP_HEADS; k++) raw[k] = k < nh ? DTR[(e0 + j) * H + h0 + k] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < M2_PREP_HEADS; k++) {
+            if (k >= nh) break;
+            const int64_t h = h0 + k, i = (c * H + h) * M2Q + j;
+            const float A = -mb_exp(A_log[h]);
+            const float t = mb_clamp(mb_softplus(raw[k] + dt_bias[h]), lo, hi);
             const float a = t * A;
-            acc = acc + a;
-            dt[i * M2Q + j] = t;
-            dA[i * M2Q + j] = a;
-            cs[i * M2Q + j] = acc;
+            dt[i] = t;
+            dA[i] = a;
+            sa[k][j] = a;
         }
     }
+    __syncthreads();
+    if (j < nh) {
+        float acc = 0.0f;
+        for (int64_t r = 0; r < n; r++) {
+            acc = acc + sa[j][r];
+            sc[j][r] = acc;
+        }
+    }
+    __syncthreads();
+    for (int k = 0; k < nh; k++)
+        if (j < n) cs[(c * H + h0 + k) * M2Q + j] = sc[k][j];
 }
 
 #define G_TILES 10 /* the lower triangle of a chunk's 4 x 4 grid of 64 x 64 tiles */
