@@ -104,8 +104,10 @@ def gemm_tails(be, monkeypatch):
     monkeypatch.setattr(be, "_gemm_tail", lambda *a: tails.append(a[4]) or real(*a))
     wave = be.sms  # one 128 x 256 tile a multiprocessor
     cols = next(c for c in range(2, wave + 2) if (wave + 1) % c == 0)
-    # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start
-    for M, N, K in [(128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 19),
+    # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start;
+    # K: whole k-tiles of the tail kernels (32 terms, rows 16-byte aligned) and a
+    # partial one, or a partial one alone
+    for M, N, K in [(128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 76),
                     (128 * (wave + 1) - 3, 200, 13)]:
         X, W, R = rand((M, K), 70), rand((N, K), 71), rand((M, N), 72)
         want = _core._gemm(X, W, M, N, K)

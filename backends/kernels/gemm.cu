@@ -11,15 +11,13 @@
 #include "numerics.h"
 #include "chain.h"
 
-#define BK 8
-
 /* One tile shape of the kernels below: BM x BN outputs per block, warps of WM x WN
  * outputs (lanes LY along M x LX along N), each lane TM x TN of them (TM / 4 x TN / 4
- * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps. Grid (ceil(M/BM) ceil(N/BN),
- * 1, leaves): block x takes tile x of the row-major order over (M / BM, N / BN);
- * leaf z writes Y + z * ldleaf.
- * Loads: float4 f = tid + q * threads of a tile is row f / 2, k 4 (f % 2) + 0..3, so
- * a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
+ * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps, BK terms a k-tile. Grid
+ * (ceil(M/BM) ceil(N/BN), 1, leaves): block x takes tile x of the row-major order
+ * over (M / BM, N / BN); leaf z writes Y + z * ldleaf.
+ * Loads: float4 f = tid + q * threads of a tile is row f / (BK / 4), k 4 (f % (BK /
+ * 4)) + 0..3, so (BK 8) a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
  * instead (their outputs are never stored). The next tile is loaded into registers
  * while the current one is walked, then stored transposed (k-major) into the other
  * of two shared buffers. Rows are padded by 4 floats: a warp's scalar stores then
@@ -32,7 +30,7 @@
  * than row by row). RES: Y = res + chain, as mb_residual_k would add the residual
  * (uniform rows: res has Y's layout, ld ldr); a compile-time choice, since a runtime
  * one changed the main loop's register allocation and cost 6% on the H200. */
-template <int BM, int BN, int WM, int WN, int TM, int TN, bool RES>
+template <int BM, int BN, int WM, int WN, int TM, int TN, int BK, bool RES>
 MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                        const float *W, int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf,
                        const float *res, int64_t ldr)
@@ -203,32 +201,33 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
 
 /* A kernel of one tile shape (gemm_tiles' parameters), at `blocks` blocks a
  * multiprocessor */
-#define MB_GEMM_KERNEL(name, blocks, BM, BN, WM, WN, TM, TN, RES)                     \
+#define MB_GEMM_KERNEL(name, blocks, BM, BN, WM, WN, TM, TN, BK, RES)                 \
     MB_KERNEL void MB_BOUNDS_MIN(32 * (BM / WM) * (BN / WN), blocks)                  \
     name(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,   \
          int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr) \
     {                                                                                 \
-        gemm_tiles<BM, BN, WM, WN, TM, TN, RES>(M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, \
+        gemm_tiles<BM, BN, WM, WN, TM, TN, BK, RES>(M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, \
                                                ldr);                                  \
     }
 
 /* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes, without and
  * with the residual res (a uniform out_proj) */
-MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, false)
-MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, true)
+MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, 8, true)
 
 /* Narrow N, one tile across (res unused), so that no block walks 256 columns for
  * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
  * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32 (on the H200 32 x 32 at
  * four blocks a multiprocessor was slower) */
-MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, false)
-MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false)
 
 /* The tiles left after the last whole wave of a wide call, on 32 x 64 tiles of two
  * warps: a small tail of 128 x 256 tiles would keep all but a few multiprocessors
- * idle for a whole tile's time (_cuda.py gemm) */
-MB_GEMM_KERNEL(mb_gemm_tail_k, 8, 32, 64, 32, 32, 4, 8, false)
-MB_GEMM_KERNEL(mb_gemm_tail_res_k, 8, 32, 64, 32, 32, 4, 8, true)
+ * idle for a whole tile's time (_cuda.py gemm). 32 terms a k-tile: with two warps a
+ * multiprocessor, 8 terms of fmas did not cover the next tile's loads. */
+MB_GEMM_KERNEL(mb_gemm_tail_k, 4, 32, 64, 32, 32, 4, 8, 32, false)
+MB_GEMM_KERNEL(mb_gemm_tail_res_k, 4, 32, 64, 32, 32, 4, 8, 32, true)
 #undef MB_GEMM_KERNEL
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X
@@ -363,7 +362,6 @@ MB_KERNEL void mb_dot_fold_k(int64_t P, int64_t M, int64_t N, const float *parts
     }
 }
 
-#undef BK
 #undef GV_ROWS
 #undef GV_MROWS
 #undef GV_KC
