@@ -34,7 +34,7 @@ class CpuBackend:
         _host_only([dst, src], "a state piece")
         _core.copy_into(dst, src)
 
-    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False):
+    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False, early=None):
         # fast mode runs the identical kernels on the CPU (docs/numerics.md)
         _host_only([x], "x")
         _host_only(pieces, "a state piece")

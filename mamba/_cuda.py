@@ -274,17 +274,24 @@ class _Layout(ctypes.Structure):
 
 
 class _M1Buffers:
-    """Scratch of one Mamba-1 call over M packed tokens (see CudaBackend._m1_launch)."""
+    """Scratch of one Mamba-1 call over M packed tokens (see CudaBackend._m1_launch):
+    the front's (the norm's and in_proj's) first, the rest taken by rest()."""
 
     def __init__(self, be, alloc, M, dm, ragged):
-        di, XR = 2 * dm, _cdiv(dm, 16) + 32
+        di = 2 * dm
+        self.alloc, self.M, self.di, self.XR = alloc, M, di, _cdiv(dm, 16) + 32
         self.xs = alloc(M * dm) if ragged else 0
-        self.r = alloc(M)
-        self.xn, self.xz, self.u = alloc(M * dm), alloc(M * 2 * di), alloc(M * di)
-        self.dtp, self.yi, self.xdbl = alloc(M * di), alloc(M * di), alloc(M * XR)
-        parts = max(be._parts(M, 2 * di, dm), be._parts(M, XR, di), be._parts(M, di, XR - 32),
-                    be._parts(M, dm, di))
+        self.r, self.xn, self.xz = alloc(M), alloc(M * dm), alloc(M * 2 * di)
+        parts = max(be._parts(M, 2 * di, dm), be._parts(M, self.XR, di),
+                    be._parts(M, di, self.XR - 32), be._parts(M, dm, di))
         self.parts = alloc(parts) if parts else 0
+        self.queued = False  # the front is queued (CudaBackend.early_front)
+
+    def rest(self):
+        alloc, M, di = self.alloc, self.M, self.di
+        self.u, self.dtp, self.yi, self.xdbl = (alloc(M * di), alloc(M * di), alloc(M * di),
+                                                alloc(M * self.XR))
+        return self
 
 
 class _TensorMap(ctypes.Structure):
@@ -940,7 +947,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xs)
         step = (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None
-        self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts, step)
+        if not b.queued:
+            self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts,
+                            step)
         rows = min(B, 65535)
         if L > 1:
             self._launch(s, self.kname("conv_silu_k", fast),
@@ -987,12 +996,38 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
                      B, L, dm, off, xd, xn, yd, guard)
 
-    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False):
+    def early_front(self, kind, w, dm, x, fast):
+        """A stateless prefill's front (the norm and in_proj) queued now, before the
+        host sets up the rest of the call, which the device of a lone call would
+        otherwise wait through (blocks._Block._early); the forward given it (early=)
+        goes on from there. None for host inputs."""
+        if x.device == "cpu":
+            return None
+        if kind != "m1":
+            return self._early_front(kind, w, dm, x, fast) if _cuda_ssd.enabled() else None
+        M = x.shape[0] * x.shape[1]
+        if x.shape[1] == 1:  # a one-token prefill's conv step is in in_proj's epilogue
+            return None
+        self._enter()
+        s = self.stream()
+        sc = _Scratch(self, s)
+        try:
+            b = _M1Buffers(self, sc, M, dm, False)
+            self._norm_gemm(s.cu, fast, M, dm, x.ptr, w[0], b.xn, b.r, 4 * dm, w[1], b.xz,
+                            b.parts)
+            b.queued = True
+            return _cuda_ssd._Early(sc, (x.ptr, b))
+        except BaseException:
+            sc.__exit__()
+            raise
+
+    def m1_forward(self, w, d_model, x, pieces, y, lengths, fast=False, early=None):
         self._enter()
         s = self.stream()
         dm, B, L = d_model, x.shape[0], x.shape[1]
         back = []
-        with _Scratch(self, s) as sc:
+        with (early.sc if early is not None else _Scratch(self, s)) as sc:
+            front = early.take() if early is not None else None
             if lengths is None:
                 off, M = self._uniform_offsets(B, L), B * L
             else:
@@ -1001,11 +1036,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                     off.append(off[-1] + n)
                 host = (ctypes.c_int64 * (B + 1))(*off)
                 off, M = sc.upload(ctypes.addressof(host), 8 * (B + 1)), off[-1]
-            xd = self._on_device(sc, x)
+            xd, bufs = front or (self._on_device(sc, x), None)
             cw = self._on_device(sc, pieces[0], back)
             h = self._on_device(sc, pieces[1], back)
             yd = self._out(sc, y, back)
-            bufs = _M1Buffers(self, sc, M, dm, lengths is not None)
+            bufs = (bufs or _M1Buffers(self, sc, M, dm, lengths is not None)).rest()
             self._m1_launch(s.cu, fast, w, dm, B, L, off, M, xd, cw, h, yd, bufs,
                             lengths is not None)
             self._finish(s, back)

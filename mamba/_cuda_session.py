@@ -201,7 +201,7 @@ class M1Session(_GraphSession):
     def __init__(self, be, w, dm, pieces, fast):
         B = pieces[0].shape[0]
         super().__init__(be, (B, 1, dm))
-        bufs = _M1Buffers(be, self.alloc, B, dm, False)
+        bufs = _M1Buffers(be, self.alloc, B, dm, False).rest()
         off = be._uniform_offsets(B, 1)
         self.exec = self.capture(lambda cs: be._m1_launch(
             cs, fast, w, dm, B, 1, off, B, self.x.ptr, pieces[0].ptr, pieces[1].ptr,

@@ -205,8 +205,6 @@ class SsdMixin:
     def _early_front(self, kind, w, dm, x, fast):
         """A stateless prefill's front queued now (blocks._Block._early): the forward
         given it (early=) goes on from there."""
-        if kind not in ("m2", "m3") or x.device == "cpu":
-            return None
         self._enter()
         return _Early(*self._begin(self.stream(), x, None, None, w, dm, fast, kind == "m3"))
 
@@ -550,5 +548,4 @@ if enabled():
     SsdMixin.m2_h_last = SsdMixin._m2_h_last
     SsdMixin.m2_session = SsdMixin._m2_session
     SsdMixin.m3_forward = SsdMixin._m3_forward
-    SsdMixin.early_front = SsdMixin._early_front
     SsdMixin.m3_session = SsdMixin._m3_session

@@ -53,9 +53,9 @@ class Mamba1Block(_Block):
     def _state_shapes(self, B):
         return {"conv_window": (B, self.d_inner, D_CONV), "h": (B, self.d_inner, D_STATE)}
 
-    def _kernel(self, w, x, pieces, state, y, lengths):
+    def _kernel(self, w, x, pieces, state, y, lengths, early=None):
         self._backend.m1_forward(w, self.d_model, x, pieces, y, lengths,
-                                 fast=self.numeric_mode == "fast")
+                                 fast=self.numeric_mode == "fast", early=early)
 
     def _backward_kernel(self, w, x, dy, gx, gw):
         self._backend.m1_backward(w, self.d_model, x, dy, gx, gw,

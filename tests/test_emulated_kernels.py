@@ -158,7 +158,7 @@ def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["identical", "fast"])
-@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
+@pytest.mark.parametrize("name", list(BLOCKS))
 def test_early_front(be, name, mode, monkeypatch):
     """A stateless prefill of device x queues its front (norm and in_proj) before the
     host sets up the rest of the call, and the forward goes on from it: the bits of
