@@ -1005,9 +1005,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             return None
         if kind != "m1":
             return self._early_front(kind, w, dm, x, fast) if _cuda_ssd.enabled() else None
-        M = x.shape[0] * x.shape[1]
         if x.shape[1] == 1:  # a one-token prefill's conv step is in in_proj's epilogue
             return None
+        M = x.shape[0] * x.shape[1]
         self._enter()
         s = self.stream()
         sc = _Scratch(self, s)

@@ -14,18 +14,18 @@
 /* One tile shape of the kernels below: BM x BN outputs per block, warps of WM x WN
  * outputs (lanes LY along M x LX along N), each lane TM x TN of them (TM / 4 x TN / 4
  * blocks of 4 x 4), blockDim (BM / WM) (BN / WN) warps, BK terms a k-tile. Grid
- * (ceil(M/BM) ceil(N/BN), 1, leaves): block x takes tile x of the row-major order
- * over (M / BM, N / BN); leaf z writes Y + z * ldleaf.
+ * (ceil(M/BM) ceil(N/BN), 1, leaves): block x takes tile x of the row-major order over
+ * (M / BM, N / BN); leaf z writes Y + z * ldleaf.
  * Loads: float4 f = tid + q * threads of a tile is row f / (BK / 4), k 4 (f % (BK /
- * 4)) + 0..3, so (BK 8) a warp reads 16 rows x 32 bytes, one sector each; rows past M or N read row 0
- * instead (their outputs are never stored). The next tile is loaded into registers
- * while the current one is walked, then stored transposed (k-major) into the other
- * of two shared buffers. Rows are padded by 4 floats: a warp's scalar stores then
- * hit distinct banks, while a lane's 4 rows (columns) at one k stay one float4, and
- * a warp's fragment reads are broadcasts of 4 (8) distinct float4. The fragments of
- * k + 1 are read while the fmas of k run; at a tile's last k, the next tile is
- * stored, one barrier passed and its first fragments read, so one barrier per tile
- * suffices. The fmas of a k walk the thread's outputs in a serpentine (odd rows
+ * 4)) + 0..3, so (BK 8) a warp reads 16 rows x 32 bytes, one sector each; rows past M
+ * or N read row 0 instead (their outputs are never stored). The next tile is loaded
+ * into registers while the current one is walked, then stored transposed (k-major)
+ * into the other of two shared buffers. Rows are padded by 4 floats: a warp's scalar
+ * stores then hit distinct banks, while a lane's 4 rows (columns) at one k stay one
+ * float4, and a warp's fragment reads are broadcasts of 4 (8) distinct float4. The
+ * fragments of k + 1 are read while the fmas of k run; at a tile's last k, the next
+ * tile is stored, one barrier passed and its first fragments read, so one barrier per
+ * tile suffices. The fmas of a k walk the thread's outputs in a serpentine (odd rows
  * backwards), so consecutive fmas share an operand register (7% faster on the H200
  * than row by row). RES: Y = res + chain, as mb_residual_k would add the residual
  * (uniform rows: res has Y's layout, ld ldr); a compile-time choice, since a runtime

@@ -148,7 +148,8 @@ MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx,
                     const int64_t e = (m0 + k) * ldx + 4 * j;
                     if (first) {
                         mb_note_nonfinite(v[k].x, e, &bad), mb_note_nonfinite(v[k].y, e + 1, &bad);
-                        mb_note_nonfinite(v[k].z, e + 2, &bad), mb_note_nonfinite(v[k].w, e + 3, &bad);
+                        mb_note_nonfinite(v[k].z, e + 2, &bad);
+                        mb_note_nonfinite(v[k].w, e + 3, &bad);
                     }
                     float4 o;
                     o.x = (v[k].x * rr[k]) * wv.x, o.y = (v[k].y * rr[k]) * wv.y;
