@@ -38,6 +38,10 @@ M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound
 SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
+# mb_m3_angles_k: a warp a block, so that its few threads (one a row, head and angle,
+# each walking all its row's tokens) spread over the multiprocessors, whose loads and
+# scattered stores one of them would otherwise carry for eight warps
+ANGLE_THREADS = 32
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 PREP_HEADS = 8     # ssd2.cu M2_PREP_HEADS: heads a block of mb_m2_prep_k (M2_Q threads)
 MAX_GRID_Z = 65535
@@ -449,8 +453,9 @@ class SsdMixin:
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
                              theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
-                self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA),), C.THREADS,
-                             B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, rep[3])
+                self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA, ANGLE_THREADS),),
+                             ANGLE_THREADS, B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q,
+                             rep[3])
                 self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             _release(sc, R, TA, *(() if tc else (Bn, Cn)))
