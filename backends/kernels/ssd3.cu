@@ -110,22 +110,25 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
                             const float *Bn, const float *Cn, const float *B_bias,
                             const float *C_bias, float *Q, float *K, float *rot)
 {
+    /* every input read before any output is written (the compiler must assume they
+     * may alias, and would hold a later load back behind an earlier store) */
     const float *cb = C_bias + h * SSD_NS, *kb = B_bias + h * SSD_NS;
+    const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
+    auto pair = [&](const float *x) { return *(const float2 *)(x + 2 * r); };
+    const float2 cr = pair(c), cbr = pair(cb), kr = pair(k), kbr = pair(kb);
+    const float2 cu = pair(c + 2 * M3A), cbu = pair(cb + 2 * M3A);
+    const float2 ku = pair(k + 2 * M3A), kbu = pair(kb + 2 * M3A);
     const float cs = mb_cos(th), sn = mb_sin(th);
     if (rot) {
         rot[(e * M3A + r) * 2] = cs;
         rot[(e * M3A + r) * 2 + 1] = sn;
     }
-    const float *c = Cn + tok * SSD_NS, *k = Bn + tok * SSD_NS;
     float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-    auto pair = [&](const float *x) { return *(const float2 *)(x + 2 * r); };
     const float2 z = make_float2(cs, sn);
-    *(float2 *)(qo + 2 * r) = m3_rot2(pair(c), pair(cb), z);
-    *(float2 *)(ko + 2 * r) = m3_rot2(pair(k), pair(kb), z);
-    for (int64_t m = 2 * M3A + 2 * r; m < 2 * M3A + 2 * r + 2; m++) {
-        qo[m] = c[m] + cb[m];
-        ko[m] = k[m] + kb[m];
-    }
+    *(float2 *)(qo + 2 * r) = m3_rot2(cr, cbr, z);
+    *(float2 *)(ko + 2 * r) = m3_rot2(kr, kbr, z);
+    *(float2 *)(qo + 2 * M3A + 2 * r) = make_float2(cu.x + cbu.x, cu.y + cbu.y);
+    *(float2 *)(ko + 2 * M3A + 2 * r) = make_float2(ku.x + kbu.x, ku.y + kbu.y);
 }
 
 #define M3_AHEAD 16 /* tokens a batch: a batch's inputs load while the one before is walked */
