@@ -939,17 +939,16 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         can); guard is a session's guard word (finite.cu)."""
         di, R = 2 * dm, _cdiv(dm, 16)
         XR = R + 32
-        norm_w, in_proj, conv_w, conv_b, x_proj, dt_w = w[:6]
+        conv_w, conv_b, x_proj, dt_w = w[2:6]
         out_proj = w[9]
         xs = xd
         if ragged:
             xs = b.xs
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), THREADS,
                          B, L, dm, off, xd, xs)
-        step = (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None
         if not b.queued:
-            self._norm_gemm(s, fast, M, dm, xs, norm_w, b.xn, b.r, 2 * di, in_proj, b.xz, b.parts,
-                            step)
+            self._m1_front(s, fast, w, dm, M, xs, b,
+                           (0, di, cw, conv_w, conv_b, b.u, di, guard) if L == 1 else None)
         rows = min(B, 65535)
         if L > 1:
             self._launch(s, self.kname("conv_silu_k", fast),
@@ -996,6 +995,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
                      B, L, dm, off, xd, xn, yd, guard)
 
+    def _m1_front(self, s, fast, w, dm, M, xs, b, step=None):
+        """A Mamba-1 call's block norm and in_proj into b (_M1Buffers); step: a
+        one-token call's conv step (gemm's conv)."""
+        self._norm_gemm(s, fast, M, dm, xs, w[0], b.xn, b.r, 4 * dm, w[1], b.xz, b.parts, step)
+
     def early_front(self, kind, w, dm, x, fast):
         """A stateless prefill's front (the norm and in_proj) queued now, before the
         host sets up the rest of the call, which the device of a lone call would
@@ -1013,8 +1017,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         sc = _Scratch(self, s)
         try:
             b = _M1Buffers(self, sc, M, dm, False)
-            self._norm_gemm(s.cu, fast, M, dm, x.ptr, w[0], b.xn, b.r, 4 * dm, w[1], b.xz,
-                            b.parts)
+            self._m1_front(s.cu, fast, w, dm, M, x.ptr, b)
             b.queued = True
             return _cuda_ssd._Early(sc, (x.ptr, b))
         except BaseException:

@@ -15,7 +15,7 @@ the activations for any number of backward calls (_cuda_grad.g_vjp).
 """
 from types import SimpleNamespace
 
-from ._cuda_ssd import ANGLE_THREADS, HP, M3_Q, NA, NS, SMEM, _plan, _release, m3_dims
+from ._cuda_ssd import HP, M3_Q, NA, NS, SMEM, _plan, _release, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
@@ -91,8 +91,7 @@ class Back3Mixin:
         with _Scratch(self, st) as t:
             theta = t(B * H * NA)
             self._fill32(s, theta, 0, B * H * NA)
-            self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA, ANGLE_THREADS),),
-                         ANGLE_THREADS, B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, 0)
+            self._m3_angles(s, B, H, I, TA, DT, theta, Q, 0)
         self._launch(s, "mb_m3b_rotate_k", (self._grid(M * H * NA),), THREADS,
                      M, H, Bn, Cn, B_bias, C_bias, Q, K, ANG)
         # v, the chunk states, the gated output

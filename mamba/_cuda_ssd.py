@@ -189,6 +189,12 @@ class SsdMixin:
             self._launch(s, "mb_m2_prep_k", (NC, -(-H // PREP_HEADS)), M2_Q, desc, H, DTR,
                          dt_bias, A_log, _bits(limit[0]), _bits(limit[1]), dt, dA, cs)
 
+    def _m3_angles(self, s, B, H, I, TA, DT, theta, Q, last):
+        """Mamba-3's angle recurrence (identical), each token's angle into Q's slot 2r;
+        last: theta_last's copy (0: none)."""
+        self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA, ANGLE_THREADS),), ANGLE_THREADS,
+                     B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, last)
+
     def _ssd_front(self, s, sc, x, lengths, plan, w, dm, fast, m3):
         """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks), I holding
         M, the norm's scratch and, where rows are packed (lengths), the plan's tables,
@@ -453,9 +459,7 @@ class SsdMixin:
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
                              theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
-                self._launch(s, "mb_m3_angles_k", (self._grid(B * H * NA, ANGLE_THREADS),),
-                             ANGLE_THREADS, B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q,
-                             rep[3])
+                self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
                 self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             _release(sc, R, TA, *(() if tc else (Bn, Cn)))

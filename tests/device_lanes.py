@@ -252,9 +252,9 @@ def input_check_in_norm(be, name, mode, monkeypatch):
     want = host(gpu.forward(be.copy(x)))
     if mode == "identical":
         assert want == raw(cpu.forward(x))
-    names, launch = [], be._launch
-    monkeypatch.setattr(be, "_launch", lambda s, n, *a, **k: names.append(n) or
-                        launch(s, n, *a, **k))
+    names, launch = [], type(be)._launch
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
+                        launch(self, s, n, *a, **k))
     take = be._input_check
     paths = [("norm", True)] + ([("norm", False)] if mode == "identical" else []) + [
         ("settle", True)]

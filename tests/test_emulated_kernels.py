@@ -161,10 +161,10 @@ def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_early_front(be, name, mode, monkeypatch):
     """A stateless prefill of device x queues its front (norm and in_proj) before the
-    host sets up the rest of the call, and the forward goes on from it: the bits of
-    a forward that makes its own front (identical mode: the C reference's). An error
-    between the two returns the front's scratch to the pool, and the input check's
-    read-back words to the backend."""
+    host sets up the rest of the call, and the forward goes on from it: the bits and
+    the kernels (none run twice) of a forward that makes its own front (identical
+    mode: the C reference's bits). An error between the two returns the front's
+    scratch to the pool, and the input check's read-back words to the backend."""
     gpu = make(name, backend="cuda", numeric_mode=mode)
     x = rand((2, BLOCKS[name]["length"], gpu.d_model), 31)
     start, taken = type(be).early_front, []
@@ -172,11 +172,19 @@ def test_early_front(be, name, mode, monkeypatch):
     def spy(self, *a):
         taken.append(start(self, *a))
         return taken[-1]
+    names, launch = [], type(be)._launch
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
+                        launch(self, s, n, *a, **k))
     monkeypatch.setattr(type(be), "early_front", spy)
-    got = host(gpu.forward(be.copy(x)))
+    xd = be.copy(x)
+    names.clear()
+    got = host(gpu.forward(xd))
+    early_names = sorted(names)
     assert len(taken) == 1 and taken[0] is not None and taken[0].front is None, "not taken"
     monkeypatch.setattr(type(be), "early_front", lambda self, *a: None)
-    assert got == host(gpu.forward(be.copy(x)))
+    names.clear()
+    assert got == host(gpu.forward(xd))
+    assert early_names == sorted(names), "the early front changed the kernels launched"
     if mode == "identical":
         assert got == raw(make(name, backend="cpu").forward(x))
     monkeypatch.setattr(type(be), "early_front", spy)
@@ -443,9 +451,9 @@ def test_session_guard_in_or_before_the_norm(be, monkeypatch, name, B):
     st_c, st_g = cpu.allocate_state(B), gpu.allocate_state(B)
     cpu.forward(time_slice(x, 0, 2), st_c)
     gpu.forward(time_slice(x, 0, 2), st_g)
-    names, launch = [], be._launch
-    monkeypatch.setattr(be, "_launch", lambda s, name, *a, **k: names.append(name) or
-                        launch(s, name, *a, **k))
+    names, launch = [], type(be)._launch
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, name, *a, **k: names.append(name)
+                        or launch(self, s, name, *a, **k))
     with gpu.decode_session(st_g) as sess:
         if B <= 3:
             assert names[0] == "mb_gemv_k" and not {"mb_rms_k", "mb_step_guard_k"} & set(names)
@@ -476,9 +484,9 @@ def test_gemm_residual(be, monkeypatch, M, N, K):
     """The wide tiled GEMM with the residual (whole tiles add it in a pass of their
     own, edge tiles per output): one float32 addition to the C reference's product."""
     X, W, R = rand((M, K), M), rand((N, K), N), rand((M, N), K)
-    names, launch = [], be._launch
-    monkeypatch.setattr(be, "_launch", lambda s, n, *a, **k: names.append(n) or
-                        launch(s, n, *a, **k))
+    names, launch = [], type(be)._launch
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
+                        launch(self, s, n, *a, **k))
     monkeypatch.setattr(_cuda, "TAIL_MAX", 0.0)  # every tile a wide one
     want = array.array("f", (r + y for r, y in zip(floats(R), floats(_core._gemm(X, W, M, N, K)))))
     assert raw(be._gemm(X, W, M, N, K, res=R)) == want.tobytes()
