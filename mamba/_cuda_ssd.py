@@ -32,11 +32,12 @@ TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k, mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
+M3YI_SMEM = 4 * (2 * 2 * 64 * 20 + 2 * 64 * 68 + 3 * 64)  # mb_m3_y_k's: a ring, M and v
 M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block), two chunks
 M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
 M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound
-SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 # mb_m3_angles_k: a warp a block, so that its few threads (one a row, head and angle,
 # each walking all its row's tokens) spread over the multiprocessors, whose loads and
@@ -539,7 +540,7 @@ class SsdMixin:
         tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else TILE_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
-                     *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else 0)
+                     *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else M3YI_SMEM)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

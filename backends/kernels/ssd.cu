@@ -254,6 +254,32 @@ MB_DEV void ssd_mma64_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const fl
                        lim + ssd_r(t));
 }
 
+/* ssd_mma64 on operands staged as they lie in memory (rows k-contiguous, as cp.async
+ * copies them; lda, ldb multiples of 4, 4 mod 32 at best): acc[r][q] continued over
+ * the K terms of row a + r lda and row b + 8 q ldb, four terms a float4 of each row.
+ * Thread t passes its rows ssd_r(t) and column rows t % 8 (a quarter-warp reads 8
+ * consecutive rows: distinct banks), so its outputs are columns t % 8 + 8 q. */
+template <int K, int LDA, int LDB>
+MB_DEV void ssd_mma_rows(float (&acc)[8][8], const float *a, const float *b)
+{
+#pragma unroll
+    for (int k = 0; k < K; k += 4) {
+        float4 x[8], y[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) x[r] = *(const float4 *)(a + r * LDA + k);
+#pragma unroll
+        for (int q = 0; q < 8; q++) y[q] = *(const float4 *)(b + 8 * q * LDB + k);
+        float xs[4][8], ys[4][8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) xs[0][r] = x[r].x, xs[1][r] = x[r].y, xs[2][r] = x[r].z, xs[3][r] = x[r].w;
+#pragma unroll
+        for (int q = 0; q < 8; q++) ys[0][q] = y[q].x, ys[1][q] = y[q].y, ys[2][q] = y[q].z, ys[3][q] = y[q].w;
+#pragma unroll
+        for (int u = 0; u < 4; u++) ssd_fma(acc, xs[u], ys[u]);
+    }
+}
+MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' column q */
+
 MB_DEV void ssd_zero(float (&acc)[8][8])
 {
 #pragma unroll

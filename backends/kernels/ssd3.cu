@@ -665,27 +665,57 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
 #endif
 
 /* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The
- * chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m (q and k
- * staged 64 columns at a time); M[i][j] = G * exp(seg[i][j]) for j < i (seg the
- * serial sum of A*dt[j+1..i] from +0, walked down each column by one thread); yi =
- * M . v over u < i ascending, then parked in Ta; ys = q_i . h_prev over m (q and
- * h_prev staged 32 columns at a time, both in Tb); y = ys * exp(cs_i) + yi, y = y +
- * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i
- * < n. yg may be z itself (dip = di): each element of z is read only by the thread
- * that then writes it. */
+ * chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m; M[i][j] = G *
+ * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0, walked down
+ * each column by one thread); yi = M . v over u < i ascending, then parked; ys = q_i .
+ * h_prev over m; y = ys * exp(cs_i) + yi, y = y + (D + qk_gamma) * v, y * silu(z)
+ * into yg (packed tokens, di wide) for rows r0 <= i < n. yg may be z itself (dip =
+ * di): each element of z is read only by the thread that then writes it.
+ * The rows of q with k (for G), then of q with h_prev (for ys), are copied as they
+ * lie by cp.async, M3YI_K state columns a stage in a ring of two (ssd_mma_rows), v
+ * with the first stage; each thread scales the k pieces it copied itself, so one
+ * barrier a stage suffices. Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py),
+ * which fits AMD's 64 KiB. */
+#define M3YI_K 16
+#define M3YI_LD 20 /* 4 mod 32 over 8 rows: a quarter-warp's float4 reads on distinct banks */
+#define M3YI_STAGES (2 * SSD_NS / M3YI_K)
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
-    __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
-    __shared__ float adt[M3Q], sc[M3Q], cs[M3Q];
+    extern __shared__ __align__(16) float sm[];
+    float(*ring)[2][64][M3YI_LD] = (float(*)[2][64][M3YI_LD])sm; /* [slot][q, k or h] */
+    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * M3YI_LD); /* seg, M^T, yi */
+    float(*Vs)[SSD_LD] = Mt + 64;
+    float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
     const int t = threadIdx.x;
+    /* stage st: columns m0.. of q's rows and of k's (st < M3YI_STAGES / 2) or h_prev's
+     * rows; thread t copies rows t / 4 + 16 u at column 4 (t % 4) (rows past n: +0) */
+    auto issue = [&](int st) {
+        const int m0 = st * M3YI_K % SSD_NS, cc = 4 * (t % 4);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int r = t / 4 + 16 * u;
+            const bool in = r < n;
+            mb_cp_async16(&ring[st % 2][0][r][cc], q + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
+            if (st < M3YI_STAGES / 2)
+                mb_cp_async16(&ring[st % 2][1][r][cc], k + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
+            else
+                mb_cp_async16(&ring[st % 2][1][r][cc], hp + r * SSD_NS + m0 + cc, 16);
+        }
+    };
+    issue(0);
+    for (int e = t; e < 64 * SSD_HP / 4; e += SSD_UT) {
+        const int r = e / (SSD_HP / 4), p = 4 * (e % (SSD_HP / 4));
+        mb_cp_async16(&Vs[r][p], v + (r < n ? r : 0) * H * SSD_HP + p, r < n ? 16 : 0);
+    }
+    mb_cp_commit();
     /* the scale of row j reads row j + 1, which exists for every j < n - 1 */
     if (t < n) {
         const int64_t e = (e0 + t) * H + h;
@@ -697,18 +727,8 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
         float s = 0.0f;
         for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
     }
-    float acc[8][8];
-    ssd_zero(acc);
-    for (int m0 = 0; m0 < SSD_NS; m0 += 64) {
-        __syncthreads(); /* the previous operands are consumed */
-        ssd_stage_t<64>(Ta, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
-        ssd_stage_t<64>(Tb, [&](int r, int kk) { return r < n ? k[r * ld + m0 + kk] * sc[r] : 0.0f; });
-        __syncthreads();
-        ssd_mma64(acc, Ta, Tb, 0, 64);
-    }
-    /* seg down column j = t into Ta[j][i], four rows to a float4 store (rows up to j
-     * are never read); v into Tb */
-    __syncthreads();
+    /* seg down column j = t into Mt[j][i], four rows to a float4 store (rows up to j
+     * are never read) */
     if (t < n) {
         float s = 0.0f;
         for (int64_t i0 = t & ~3; i0 < n; i0 += 4) {
@@ -722,52 +742,67 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m3_y_k(M3_Y_PARAMS)
             }
             float4 w;
             w.x = sv[0], w.y = sv[1], w.z = sv[2], w.w = sv[3];
-            *(float4 *)&Ta[t][i0] = w;
+            *(float4 *)&Mt[t][i0] = w;
         }
     }
-    ssd_stage(Tb, (int)n, [&](int u, int p) { return v[u * H * SSD_HP + p]; });
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-#pragma unroll
-        for (int qq = 0; qq < 8; qq++) {
-            const int i = ssd_r(t) + r, j = ssd_cq(t, qq);
-            if (j < i && i < n) Ta[j][i] = acc[r][qq] * mb_exp(Ta[j][i]);
-            acc[r][qq] = 0.0f;
-        }
-    __syncthreads();
-    ssd_mma64_tri(acc, Ta, Tb, 0, (int)n, 0);
-    __syncthreads(); /* M and v are consumed */
-    ssd_park(Ta, acc);
+    float acc[8][8];
     ssd_zero(acc);
-    for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
-        __syncthreads(); /* the previous columns are consumed */
-        ssd_stage_t<32>(Tb, [&](int r, int kk) { return r < n ? q[r * ld + m0 + kk] : 0.0f; });
-        ssd_stage_t<32>(Tb + 32, [&](int r, int kk) { return hp[r * SSD_NS + m0 + kk]; });
-        __syncthreads();
-        ssd_mma64(acc, Tb, Tb + 32, 0, 32);
+    for (int st = 0; st < M3YI_STAGES; st++) {
+        mb_cp_wait<0>(); /* this thread's copies of stage st (and v) landed */
+        if (st < M3YI_STAGES / 2) {
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int r = t / 4 + 16 * u;
+                float4 *w = (float4 *)&ring[st % 2][1][r][4 * (t % 4)];
+                if (r < n) {
+                    const float f = sc[r];
+                    float4 x = *w;
+                    x.x = x.x * f, x.y = x.y * f, x.z = x.z * f, x.w = x.w * f;
+                    *w = x;
+                }
+            }
+        }
+        __syncthreads(); /* stage st is ready for all; the other slot is consumed */
+        if (st + 1 < M3YI_STAGES) issue(st + 1);
+        mb_cp_commit();
+        if (st == M3YI_STAGES / 2) { /* the tri product has read M: park yi there (seen
+                                       * by all from the next stage's barrier on) */
+            ssd_park(Mt, acc);
+            ssd_zero(acc);
+        }
+        ssd_mma_rows<M3YI_K, M3YI_LD, M3YI_LD>(acc, &ring[st % 2][0][ssd_r(t)][0],
+                                               &ring[st % 2][1][t % 8][0]);
+        if (st == M3YI_STAGES / 2 - 1) { /* G is complete: M, then yi = M . v */
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+#pragma unroll
+                for (int qq = 0; qq < 8; qq++) {
+                    const int i = ssd_r(t) + r, j = ssd_cr(t, qq);
+                    if (j < i && i < n) Mt[j][i] = acc[r][qq] * mb_exp(Mt[j][i]);
+                    acc[r][qq] = 0.0f;
+                }
+            __syncthreads();
+            ssd_mma64_tri(acc, Mt, Vs, 0, (int)n, 0);
+        }
     }
     const int64_t tok0 = d[4];
-    /* a row's v and z are all loaded before its outputs are stored (a store may
-     * alias a later load, so the loads would not move up past it) */
+    /* a row's z is all loaded before its outputs are stored (a store may alias a
+     * later load, so the loads would not move up past it) */
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const int64_t i = ssd_r(t) + r;
         if (i < r0 || i >= n) continue;
         const int64_t tok = tok0 + i - r0;
-        const float *vi = v + i * H * SSD_HP, *zi = zx + tok * dip + h * SSD_HP;
-        float vr[8], zr[8];
+        const float *zi = zx + tok * dip + h * SSD_HP;
+        float zr[8];
 #pragma unroll
-        for (int qq = 0; qq < 8; qq++) {
-            vr[qq] = vi[ssd_cq(t, qq)];
-            zr[qq] = zi[ssd_cq(t, qq)];
-        }
+        for (int qq = 0; qq < 8; qq++) zr[qq] = zi[ssd_cr(t, qq)];
         const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
-            const int p = ssd_cq(t, qq);
-            float y = acc[r][qq] * e + Ta[i][p];
-            y = y + dq * vr[qq];
+            const int p = ssd_cr(t, qq);
+            float y = acc[r][qq] * e + Mt[i][p];
+            y = y + dq * Vs[i][p];
             yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
         }
     }
