@@ -124,9 +124,10 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
     for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    ssd_fold(n, [&](int64_t j, int m) { return u[j * CD + di + m] * dec[j]; },
-             [&](int64_t j, int p) { return u[j * CD + h * SSD_HP + p] * dtc[j]; },
-             [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
+    ssd_fold(
+        n, [&](int64_t j) { return u + j * CD + di; }, [&](int64_t j) { return dec[j]; },
+        [&](int64_t j) { return u + j * CD + h * SSD_HP; }, [&](int64_t j) { return dtc[j]; },
+        [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 

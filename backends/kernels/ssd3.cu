@@ -325,10 +325,11 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
 
 /* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
- * (k(j, m) * scale_j) (v(j, p) * dec_j), dec_j = exp(cs_last - cs_j); out(e, S,
- * exp(cs_last)) per element. cs, sc, dec: M3Q floats of shared memory each. */
-template <int T, class Adt, class Scl, class KF, class VF, class Out>
-MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs, float *sc,
+ * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
+ * v_j = vrow(j); out(e, S, exp(cs_last)) per element. cs, sc, dec: M3Q floats of
+ * shared memory each. */
+template <int T, class Adt, class Scl, class KR, class VR, class Out>
+MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
     /* the row values loaded by one thread each, then the cumsum serial over shared
@@ -346,8 +347,7 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KF k, VF v, Out out, float *cs,
     __syncthreads();
     const float last = cs[n - 1], ex = mb_exp(last);
     if (t < n) dec[t] = mb_exp(last - cs[t]);
-    ssd_fold<T>(n, [&](int64_t j, int m) { return k(j, m) * sc[j]; },
-                [&](int64_t j, int p) { return v(j, p) * dec[j]; },
+    ssd_fold<T>(n, krow, [&](int64_t j) { return sc[j]; }, vrow, [&](int64_t j) { return dec[j]; },
                 [&](int64_t e, float acc) { out(e, acc, ex); }, sA, sB);
 }
 
@@ -374,8 +374,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, c
     m3_fold<SSD_FOLD_THREADS>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
-        [&](int64_t j, int m) { return K[((k0 + j) * H + h) * SSD_NS + m]; },
-        [&](int64_t j, int p) { return V[((e0 + j) * H + h) * SSD_HP + p]; },
+        [&](int64_t j) { return K + ((k0 + j) * H + h) * SSD_NS; },
+        [&](int64_t j) { return V + ((e0 + j) * H + h) * SSD_HP; },
         [&](int64_t e, float acc, float ex) {
             o[e] = hi ? fmaf(ex, hi[e], acc) : acc;
             if (!hin && e == 0) E[ch] = ex;
