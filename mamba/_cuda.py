@@ -425,11 +425,12 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _kernels(self, *names, smem=None):
         """Look the named kernels up in the module on first use (those outside
         KERNELS, which __init__ loads); smem: {name: bytes of dynamic shared memory}
-        of those that launch with more than the default allows."""
+        of those that launch with more than the default allows, besides the SSD
+        kernels' (_cuda_ssd.SMEM), whichever caller looks them up first."""
         for n in names:
             if n not in self.fn:
                 self.fn[n] = self._ck(self.cu.cuModuleGetFunction(self.mod, n.encode()), n)
-                self._allow_smem(n, (smem or {}).get(n, 0))
+                self._allow_smem(n, (smem or {}).get(n, _cuda_ssd.SMEM.get(n, 0)))
 
     def _allow_smem(self, name, smem):
         """Let kernel `name` launch with smem bytes of dynamic shared memory."""

@@ -33,11 +33,12 @@ M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
 M3YI_SMEM = 4 * (2 * 2 * 64 * 20 + 2 * 64 * 68 + 3 * 64)  # mb_m3_y_k's: a ring, M and v
+M2YI_SMEM = 4 * (64 * 64 + 2 * 64 * 68 + 3 * 256)  # mb_m2_y_k's: G and x (or a ring), M
 M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block), two chunks
 M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
 M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound
-SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, "mb_m2_y_k": M2YI_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 # mb_m3_angles_k: a warp a block, so that its few threads (one a row, head and angle,
 # each walking all its row's tokens) spread over the multiprocessors, whose loads and
@@ -331,7 +332,7 @@ class SsdMixin:
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
                          M2Y_THREADS if tc else TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
-                         cs, hck, D, zx, NP, 0, yg)
+                         cs, hck, D, zx, NP, 0, yg, smem=0 if tc else M2YI_SMEM)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
                              B, I["store"], M2_Q, W, ext, buf)

@@ -157,24 +157,33 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
 
 /* Block (head h, chunk c), SSD_UT threads; the chunk's rows in tiles of 64, each
  * tile's outputs in registers (ssd.cu's 64 x 64 tiles, columns p):
- *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: thread
- *   t walks column j = j0 + t of M = G * exp(seg) down the row tile (seg[i][j] the
- *   serial sum of dA[j+1..i] from +0, carried in segc from the tile above; rows
- *   before r0, which came from the state, only advance it) while Xd = x * dt is
- *   staged; then parked in Tb;
- *   Y_off = C_i . h_prev, the chain over m (C and h_prev staged 32 columns at a
- *   time, both in Ta);
+ *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: G's tile
+ *   and x's rows are copied as they lie by cp.async (each thread scales the x pieces
+ *   it copied by dt: Xd), then thread t walks column j = j0 + t of M = G * exp(seg)
+ *   down the row tile (seg[i][j] the serial sum of dA[j+1..i] from +0, carried in
+ *   segc from the tile above; rows before r0, which came from the state, only
+ *   advance it) into Mt; parked in Mt;
+ *   Y_off = C_i . h_prev, the chain over m, C's and h_prev's rows copied M2YI_K
+ *   columns a stage into a ring of two where G and x were (ssd_mma_rows);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
  *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
- *   token rows, NP apart); either output may be null. */
+ *   token rows, NP apart); either output may be null.
+ * Dynamic shared memory: M2YI_SMEM bytes (_cuda_ssd.py), which fits AMD's 64 KiB. */
 #define M2_Y_PARAMS                                                                         \
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
         const float *zx, int64_t NP, float *yb, float *yg
-MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
+#define M2YI_K 16
+#define M2YI_LD 20 /* as ssd3.cu's M3YI_LD */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
 {
-    __shared__ __align__(16) float Ta[64][SSD_LD], Tb[64][SSD_LD]; /* row and column operands */
-    __shared__ float dAs[M2Q], dts[M2Q], segc[M2Q];
+    extern __shared__ __align__(16) float sm[];
+    float(*Gr)[64] = (float(*)[64])sm;        /* G's tile [i][j] */
+    float(*Xs)[SSD_LD] = (float(*)[SSD_LD])(sm + 64 * 64); /* x * dt [j][p] */
+    float(*ring)[2][64][M2YI_LD] = (float(*)[2][64][M2YI_LD])sm; /* [slot][C, h_prev] */
+    float(*Mt)[SSD_LD] = Xs + 64; /* M^T, then Y */
+    float *dAs = &Mt[64][0], *dts = dAs + M2Q, *segc = dts + M2Q;
+    static_assert(2 * 2 * 64 * M2YI_LD <= 64 * (64 + SSD_LD), "the ring fits where G and x were");
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
@@ -186,73 +195,105 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
     }
     for (int64_t i0 = 0; i0 < n; i0 += 64) {
         const bool out = n > r0 && i0 + 64 > r0; /* the tile has outputs */
+        const int64_t ni = n - i0 < 64 ? n - i0 : 64;
         float acc[8][8];
         ssd_zero(acc);
         for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
             const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
-            const int64_t j = j0 + t, ni = n - i0 < 64 ? n - i0 : 64;
             __syncthreads(); /* the previous operands are consumed (dAs is written) */
-            if (t < nj) {
-                /* column j's rows i0 + ii, G read SSD_BATCH rows ahead of their
-                 * exps and stored four rows to a float4 (rows before j, past n or
-                 * before r0 are never read) */
-                float s = j0 < i0 ? segc[j] : 0.0f;
-                for (int ii0 = j0 < i0 ? 0 : t & -SSD_BATCH; ii0 < ni; ii0 += SSD_BATCH) {
-                    float mv[SSD_BATCH];
+            /* thread t copies rows t / 16 + 4 u at column 4 (t % 16) of each (rows past
+             * n: +0) */
+            const int cc = 4 * (t % 16);
 #pragma unroll
-                    for (int k = 0; k < SSD_BATCH; k++) {
-                        const int64_t i = i0 + ii0 + k;
-                        mv[k] = i >= j && i >= r0 && i < n ? g[i * M2Q + j] : 0.0f;
+            for (int uu = 0; uu < 16; uu++) {
+                const int r = t / 16 + 4 * uu;
+                const bool gi = r < ni, xi = out && r < nj;
+                mb_cp_async16(&Gr[r][cc], g + (i0 + (gi ? r : 0)) * M2Q + j0 + cc, gi ? 16 : 0);
+                if (out)
+                    mb_cp_async16(&Xs[r][cc], u + (j0 + (xi ? r : 0)) * CD + h * SSD_HP + cc,
+                                  xi ? 16 : 0);
+            }
+            mb_cp_commit();
+            mb_cp_wait<0>();
+            if (out) {
+#pragma unroll
+                for (int uu = 0; uu < 16; uu++) {
+                    const int r = t / 16 + 4 * uu;
+                    if (r < nj) {
+                        float4 *w = (float4 *)&Xs[r][cc];
+                        float4 x = *w;
+                        const float f = dts[j0 + r];
+                        x.x = x.x * f, x.y = x.y * f, x.z = x.z * f, x.w = x.w * f;
+                        *w = x;
                     }
+                }
+            }
+            __syncthreads(); /* G and Xd are in */
+            const int64_t j = j0 + t;
+            if (t < nj) {
+                /* column j's rows i0 + ii, stored four rows to a float4 (rows before j,
+                 * past n or before r0 are never read) */
+                float s = j0 < i0 ? segc[j] : 0.0f;
+                for (int ii0 = j0 < i0 ? 0 : t & ~3; ii0 < ni; ii0 += 4) {
+                    float mv[4];
 #pragma unroll
-                    for (int k = 0; k < SSD_BATCH; k++) {
+                    for (int k = 0; k < 4; k++) {
                         const int64_t i = i0 + ii0 + k;
+                        mv[k] = 0.0f;
                         if (i < j || i >= n) continue;
                         if (i > j) s = s + dAs[i];
-                        if (i >= r0) mv[k] = mv[k] * mb_exp(s);
+                        if (i >= r0) mv[k] = Gr[ii0 + k][t] * mb_exp(s);
                     }
-#pragma unroll
-                    for (int k = 0; k < SSD_BATCH; k += 4) {
-                        float4 v;
-                        v.x = mv[k], v.y = mv[k + 1], v.z = mv[k + 2], v.w = mv[k + 3];
-                        *(float4 *)&Ta[t][ii0 + k] = v;
-                    }
+                    float4 v;
+                    v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
+                    *(float4 *)&Mt[t][ii0] = v;
                 }
                 segc[j] = s;
             }
-            if (out)
-                ssd_stage(Tb, nj, [&](int k, int p) {
-                    return u[(j0 + k) * CD + h * SSD_HP + p] * dts[j0 + k];
-                });
             __syncthreads();
             if (out) {
                 if (j0 < i0)
-                    ssd_mma64(acc, Ta, Tb, 0, nj);
+                    ssd_mma64(acc, Mt, Xs, 0, nj);
                 else
-                    ssd_mma64_tri(acc, Ta, Tb, 0, nj, 1);
+                    ssd_mma64_tri(acc, Mt, Xs, 0, nj, 1);
             }
         }
         if (!out) continue;
-        __syncthreads(); /* the last operands are consumed */
-        ssd_park(Tb, acc);
+        __syncthreads(); /* M, G and Xd are consumed */
+        ssd_park(Mt, acc);
         ssd_zero(acc);
-        for (int m0 = 0; m0 < SSD_NS; m0 += 32) {
-            __syncthreads(); /* the previous columns are consumed */
-            ssd_stage_t<32>(Ta, [&](int r, int k) {
-                return i0 + r < n ? u[(i0 + r) * CD + di + SSD_NS + m0 + k] : 0.0f;
-            });
-            ssd_stage_t<32>(Ta + 32, [&](int r, int k) { return hp[r * SSD_NS + m0 + k]; });
-            __syncthreads();
-            ssd_mma64(acc, Ta, Ta + 32, 0, 32);
+        /* stage st: columns M2YI_K st.. of C's rows i0.. and of h_prev's rows p; thread
+         * t copies rows t / 4 + 16 v at column 4 (t % 4) */
+        auto issue = [&](int st) {
+            const int m0 = st * M2YI_K, c4 = 4 * (t % 4);
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                const int r = t / 4 + 16 * v;
+                const bool in = r < ni;
+                mb_cp_async16(&ring[st % 2][0][r][c4],
+                              u + (i0 + (in ? r : 0)) * CD + di + SSD_NS + m0 + c4, in ? 16 : 0);
+                mb_cp_async16(&ring[st % 2][1][r][c4], hp + r * SSD_NS + m0 + c4, 16);
+            }
+        };
+        issue(0);
+        mb_cp_commit();
+        for (int st = 0; st < SSD_NS / M2YI_K; st++) {
+            mb_cp_wait<0>();
+            __syncthreads(); /* stage st landed for all; the other slot is consumed */
+            if (st + 1 < SSD_NS / M2YI_K) issue(st + 1);
+            mb_cp_commit();
+            ssd_mma_rows<M2YI_K, M2YI_LD, M2YI_LD>(acc, &ring[st % 2][0][ssd_r(t)][0],
+                                                   &ring[st % 2][1][t % 8][0]);
         }
-        /* Y_diag + Y_off * exp(cs_i) parked in place, then the rows a float4 a thread
-         * at a time (coalesced x, z and stores), + x * D and the gate */
+        /* Y_diag + Y_off * exp(cs_i) in place of the parked Y_diag (seen by all since
+         * the stages' barriers), then the rows a float4 a thread at a time (coalesced
+         * x, z and stores), + x * D and the gate */
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
 #pragma unroll
             for (int q = 0; q < 8; q++) {
-                float *y = &Tb[ssd_r(t) + r][ssd_cq(t, q)];
+                float *y = &Mt[ssd_r(t) + r][ssd_cr(t, q)];
                 *y = *y + acc[r][q] * e;
             }
         }
@@ -262,7 +303,7 @@ MB_KERNEL void MB_BOUNDS(SSD_UT) mb_m2_y_k(M2_Y_PARAMS)
             const int p = 4 * (k % (SSD_HP / 4));
             if (i < r0 || i >= n) continue;
             const int64_t tok = d[4] + i - r0;
-            const float4 v = *(const float4 *)&Tb[i - i0][p];
+            const float4 v = *(const float4 *)&Mt[i - i0][p];
             const float4 xv = *(const float4 *)(u + i * CD + h * SSD_HP + p);
             float4 y;
             y.x = v.x + xv.x * D[h], y.y = v.y + xv.y * D[h];
