@@ -136,7 +136,10 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
 /* One thread per (row, head, angle): the angle recurrence alone (the only serial
  * part of the rotation), each token's angle parked in q's slot 2r, which
  * mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the row's
- * last token; theta_last (optional) receives the same. */
+ * last token; theta_last (optional) receives the same. A lone warp walks each chain
+ * (B H M3A threads in all), so every instruction of a step waits on the one before:
+ * the pointers advance by a batch and whole batches go unpredicated, leaving a step
+ * little beyond its chain (the tail batch takes the checks). */
 MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *TA, const float *DT, float *theta,
                               float *Q, float *theta_last)
@@ -144,32 +147,45 @@ MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const in
     MB_GRID_WAIT();
     MB_GRID_LOOP(i, B * H * M3A) {
         const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
-        const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
+        const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b], sq = H * SSD_NS;
+        const float *ta = TA + o * M3A + r, *dt = DT + e0 * H + h;
+        float *q = Q + (e0 * H + h) * SSD_NS + 2 * r;
         float th = theta[i];
-        auto load = [&](float (&ta)[M3_AHEAD], float (&dt)[M3_AHEAD], int64_t t) {
+        /* tokens [t, t + M3_AHEAD) of the pointers' batch, those below n */
+        auto load = [&](float (&a)[M3_AHEAD], float (&d)[M3_AHEAD], int64_t n) {
 #pragma unroll
             for (int u = 0; u < M3_AHEAD; u++) {
-                const bool in = t + u < T;
-                ta[u] = in ? TA[(o + t + u) * M3A + r] : 0.0f;
-                dt[u] = in ? DT[(e0 + t + u) * H + h] : 0.0f;
+                a[u] = u < n ? ta[u * M3A] : 0.0f;
+                d[u] = u < n ? dt[u * H] : 0.0f;
             }
+            ta += M3A * M3_AHEAD;
+            dt += H * M3_AHEAD;
         };
-        auto walk = [&](const float (&ta)[M3_AHEAD], const float (&dt)[M3_AHEAD], int64_t t) {
+        auto walk = [&](const float (&a)[M3_AHEAD], const float (&d)[M3_AHEAD], int64_t n) {
 #pragma unroll
             for (int u = 0; u < M3_AHEAD; u++) {
-                if (t + u < T) {
-                    th = m3_angle(th, ta[u], dt[u]);
-                    Q[((e0 + t + u) * H + h) * SSD_NS + 2 * r] = th;
+                if (u < n) {
+                    th = m3_angle(th, a[u], d[u]);
+                    q[u * sq] = th;
                 }
             }
+            q += sq * M3_AHEAD;
         };
         float ta0[M3_AHEAD], dt0[M3_AHEAD], ta1[M3_AHEAD], dt1[M3_AHEAD];
-        load(ta0, dt0, 0);
-        for (int64_t t = 0; t < T; t += 2 * M3_AHEAD) {
-            load(ta1, dt1, t + M3_AHEAD);
-            walk(ta0, dt0, t);
-            load(ta0, dt0, t + 2 * M3_AHEAD);
-            walk(ta1, dt1, t + M3_AHEAD);
+        const int64_t whole = T / (2 * M3_AHEAD) * (2 * M3_AHEAD); /* tokens in whole pairs */
+        load(ta0, dt0, T < M3_AHEAD ? T : M3_AHEAD);
+        for (int64_t t = 0; t < whole; t += 2 * M3_AHEAD) { /* unpredicated */
+            load(ta1, dt1, M3_AHEAD);
+            walk(ta0, dt0, M3_AHEAD);
+            const int64_t next = T - (t + 2 * M3_AHEAD);
+            load(ta0, dt0, next < M3_AHEAD ? next : M3_AHEAD);
+            walk(ta1, dt1, M3_AHEAD);
+        }
+        if (whole < T) { /* ta0 holds tokens whole.., fewer than 2 M3_AHEAD remain */
+            const int64_t left = T - whole;
+            load(ta1, dt1, left - M3_AHEAD);
+            walk(ta0, dt0, left);
+            walk(ta1, dt1, left - M3_AHEAD);
         }
         theta[i] = th;
         if (theta_last) theta_last[i] = th;
