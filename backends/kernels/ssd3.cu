@@ -743,21 +743,23 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         float s = 0.0f;
         for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
     }
-    /* seg down column j = t into Mt[j][i], four rows to a float4 store (rows up to j
-     * are never read) */
+    /* exp(seg) down column j = t into Mt[j][i], four rows to a float4 store (rows up
+     * to j are never read); the exps, off the chain of adds, overlap */
     if (t < n) {
         float s = 0.0f;
         for (int64_t i0 = t & ~3; i0 < n; i0 += 4) {
             float sv[4];
+            bool in[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const int64_t i = i0 + u;
-                sv[u] = 0.0f;
-                if (i <= t || i >= n) continue;
-                sv[u] = s = s + adt[i];
+                in[u] = i > t && i < n;
+                if (in[u]) s = s + adt[i];
+                sv[u] = s;
             }
             float4 w;
-            w.x = sv[0], w.y = sv[1], w.z = sv[2], w.w = sv[3];
+            w.x = in[0] ? mb_exp(sv[0]) : 0.0f, w.y = in[1] ? mb_exp(sv[1]) : 0.0f;
+            w.z = in[2] ? mb_exp(sv[2]) : 0.0f, w.w = in[3] ? mb_exp(sv[3]) : 0.0f;
             *(float4 *)&Mt[t][i0] = w;
         }
     }
@@ -794,33 +796,48 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 #pragma unroll
                 for (int qq = 0; qq < 8; qq++) {
                     const int i = ssd_r(t) + r, j = ssd_cr(t, qq);
-                    if (j < i && i < n) Mt[j][i] = acc[r][qq] * mb_exp(Mt[j][i]);
+                    if (j < i && i < n) Mt[j][i] = acc[r][qq] * Mt[j][i];
                     acc[r][qq] = 0.0f;
                 }
             __syncthreads();
             ssd_mma64_tri(acc, Mt, Vs, 0, (int)n, 0);
         }
     }
-    const int64_t tok0 = d[4];
-    /* a row's z is all loaded before its outputs are stored (a store may alias a
-     * later load, so the loads would not move up past it) */
+    /* each row's exp(cs_i) and D + qk_gamma (in adt and sc, which are consumed) */
+    if (t < n) {
+        adt[t] = mb_exp(cs[t]);
+        sc[t] = D[h] + QKG[(e0 + t) * H + h];
+    }
+    __syncthreads();
+    /* y = ys * exp(cs_i) + yi, + (D + qk_gamma) * v, in place of yi (each element is
+     * its own thread's), then the rows a float4 a thread at a time (coalesced z and
+     * stores) into the gate */
 #pragma unroll
     for (int r = 0; r < 8; r++) {
-        const int64_t i = ssd_r(t) + r;
-        if (i < r0 || i >= n) continue;
-        const int64_t tok = tok0 + i - r0;
-        const float *zi = zx + tok * dip + h * SSD_HP;
-        float zr[8];
-#pragma unroll
-        for (int qq = 0; qq < 8; qq++) zr[qq] = zi[ssd_cr(t, qq)];
-        const float e = mb_exp(cs[i]), dq = D[h] + QKG[(e0 + i) * H + h];
+        const int i = ssd_r(t) + r;
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
             const int p = ssd_cr(t, qq);
-            float y = acc[r][qq] * e + Mt[i][p];
-            y = y + dq * Vs[i][p];
-            yg[tok * di + h * SSD_HP + p] = y * mb_silu(zr[qq]);
+            float y = acc[r][qq] * adt[i] + Mt[i][p];
+            Mt[i][p] = y + sc[i] * Vs[i][p];
         }
+    }
+    __syncthreads();
+    for (int k = t; k < 64 * (SSD_HP / 4); k += SSD_UT) {
+        const int64_t i = k / (SSD_HP / 4);
+        const int p = 4 * (k % (SSD_HP / 4));
+        if (i < r0 || i >= n) continue;
+        const int64_t tok = d[4] + i - r0;
+        float4 y = *(const float4 *)&Mt[i][p];
+        const float *zr = zx + tok * dip + h * SSD_HP + p;
+        float4 z;
+        if ((dip & 3) == 0) /* rows 16-byte aligned */
+            z = *(const float4 *)zr;
+        else
+            z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
+        y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
+        y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
+        *(float4 *)(yg + tok * di + h * SSD_HP + p) = y;
     }
 }
 
