@@ -280,6 +280,19 @@ MB_DEV void ssd_mma_rows(float (&acc)[8][8], const float *a, const float *b)
 }
 MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' column q */
 
+/* y * silu(z) of the four z at zr (16-byte aligned when vec; the output kernels' gate) */
+MB_DEV float4 ssd_gate4(float4 y, const float *zr, bool vec)
+{
+    float4 z;
+    if (vec)
+        z = *(const float4 *)zr;
+    else
+        z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
+    y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
+    y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
+    return y;
+}
+
 MB_DEV void ssd_zero(float (&acc)[8][8])
 {
 #pragma unroll

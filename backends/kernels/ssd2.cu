@@ -309,17 +309,9 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             y.x = v.x + xv.x * D[h], y.y = v.y + xv.y * D[h];
             y.z = v.z + xv.z * D[h], y.w = v.w + xv.w * D[h];
             if (yb) *(float4 *)(yb + tok * di + h * SSD_HP + p) = y;
-            if (yg) {
-                const float *zr = zx + tok * NP + h * SSD_HP + p;
-                float4 z;
-                if ((NP & 3) == 0) /* rows 16-byte aligned */
-                    z = *(const float4 *)zr;
-                else
-                    z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
-                y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
-                y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
-                *(float4 *)(yg + tok * di + h * SSD_HP + p) = y;
-            }
+            if (yg) /* rows 16-byte aligned when NP is a multiple of 4 */
+                *(float4 *)(yg + tok * di + h * SSD_HP + p) =
+                    ssd_gate4(y, zx + tok * NP + h * SSD_HP + p, (NP & 3) == 0);
         }
     }
 }

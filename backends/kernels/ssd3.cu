@@ -846,16 +846,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         const int p = 4 * (k % (SSD_HP / 4));
         if (i < r0 || i >= n) continue;
         const int64_t tok = d[4] + i - r0;
-        float4 y = *(const float4 *)&Mt[i][p];
-        const float *zr = zx + tok * dip + h * SSD_HP + p;
-        float4 z;
-        if ((dip & 3) == 0) /* rows 16-byte aligned */
-            z = *(const float4 *)zr;
-        else
-            z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
-        y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
-        y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
-        *(float4 *)(yg + tok * di + h * SSD_HP + p) = y;
+        *(float4 *)(yg + tok * di + h * SSD_HP + p) = ssd_gate4(
+            *(const float4 *)&Mt[i][p], zx + tok * dip + h * SSD_HP + p, (dip & 3) == 0);
     }
 }
 
