@@ -47,7 +47,10 @@ ANGLE_THREADS = 32
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 PREP_HEADS = 8     # ssd2.cu M2_PREP_HEADS: heads a block of mb_m2_prep_k (M2_Q threads)
 MAX_GRID_Z = 65535
-S_GROUP = 1 << 27  # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups
+# floats of Mamba-3's chunk states (S, hck) live at once: rows in groups (twice that
+# in fast mode, whose state kernel then takes W2's rows in one launch; identical mode
+# keeps the memory, its Q and K being whole)
+S_GROUP = 1 << 26
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
@@ -417,7 +420,8 @@ class SsdMixin:
         NR = NP - 2 * di
         norm_w, in_proj, dt_bias, Bn_w, Cn_w, B_bias, C_bias, D, out_proj = w
         per = HP * NS
-        plan = _plan(B, L, lengths, buffered_tokens, M3_Q, True, S_GROUP // (H * per))
+        plan = _plan(B, L, lengths, buffered_tokens, M3_Q, True,
+                     S_GROUP * (2 if tc else 1) // (H * per))
         M, E, NC = plan.M, plan.E, plan.NC
         back = []
         # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v rows
