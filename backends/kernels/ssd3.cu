@@ -339,34 +339,11 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
     }
 }
 
-/* dst[0..M3Q) = the serial inclusive sums of src[0..M3Q) from +0, by one thread (both
- * 16-byte aligned in shared memory; the sums up to n depend on src up to n alone):
- * 16 values load ahead of their chain, one shared-memory latency a group of them. */
-MB_DEV void m3_cumsum(const float *src, float *dst)
-{
-    float acc = 0.0f;
-#pragma unroll 1
-    for (int g = 0; g < M3Q; g += 16) {
-        float4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; u++) v[u] = *(const float4 *)(src + g + 4 * u);
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            v[u].x = acc = acc + v[u].x;
-            v[u].y = acc = acc + v[u].y;
-            v[u].z = acc = acc + v[u].z;
-            v[u].w = acc = acc + v[u].w;
-        }
-#pragma unroll
-        for (int u = 0; u < 4; u++) *(float4 *)(dst + g + 4 * u) = v[u];
-    }
-}
-
 /* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
  * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
  * v_j = vrow(j); out(e, S, exp(cs_last)) per element. cs, sc, dec: M3Q floats of
- * shared memory each, cs 16-byte aligned. */
+ * shared memory each. */
 template <int T, class Adt, class Scl, class KR, class VR, class Out>
 MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
@@ -379,7 +356,10 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
         sc[t] = scl(t);
     }
     __syncthreads();
-    if (t == 0) m3_cumsum(cs, cs);
+    if (t == 0) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) cs[j] = acc = acc + cs[j];
+    }
     __syncthreads();
     const float last = cs[n - 1], ex = mb_exp(last);
     if (t < n) dec[t] = mb_exp(last - cs[t]);
@@ -399,8 +379,7 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
 MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow)
 {
     MB_GRID_WAIT();
-    __shared__ __align__(16) float cs[M3Q];
-    __shared__ float sc[M3Q], dec[M3Q];
+    __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS, k0 = krow ? krow[d[0]] : e0;
@@ -724,7 +703,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
     extern __shared__ __align__(16) float sm[];
     float(*ring)[2][64][M3YI_LD] = (float(*)[2][64][M3YI_LD])sm; /* [slot][q, k or h] */
-    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * M3YI_LD); /* seg, M^T, yi */
+    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * M3YI_LD); /* exp(seg), M^T, yi, y */
     float(*Vs)[SSD_LD] = Mt + 64;
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
@@ -760,7 +739,10 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         sc[t] = t + 1 < n ? m3_scale(DT, SIG, H, e, true) : 0.0f;
     }
     __syncthreads();
-    if (t == 0) m3_cumsum(adt, cs);
+    if (t == 0) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
+    }
     /* exp(seg) down column j = t into Mt[j][i], four rows to a float4 store (rows up
      * to j are never read); the exps, off the chain of adds, overlap */
     if (t < n) {

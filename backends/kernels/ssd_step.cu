@@ -315,8 +315,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
     MB_GRID_WAIT();
     __shared__ __align__(16) float Vt[M3Q][SSD_HP], bc[2][SSD_NS]; /* B and C, raw, then normed */
     __shared__ __align__(16) float qs[SSD_NS], ks[SSD_NS], fA[SSD_FJ][SSD_NS], fB[SSD_FJ][SSD_HP];
-    __shared__ float Mt[M3Q + 1], Ys[SSD_HP], sc[M3Q], dec[M3Q];
-    __shared__ __align__(16) float cs[M3Q]; /* m3_fold's m3_cumsum */
+    __shared__ float Mt[M3Q + 1], Ys[SSD_HP], cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ float rr[2], ta[M3A], nt[4]; /* nt: the new token's dt, sig, A*dt, qk gamma */
     __shared__ int64_t plan[2];
     const int64_t hh = blockIdx.x, b = blockIdx.y, bh = b * H + hh, per = SSD_HP * SSD_NS;
