@@ -38,7 +38,8 @@ M3S_THREADS = 256  # ssd3.cu: mb_fast_m3_state_k (state2: half a state a block),
 M3S = {1: "mb_fast_m3_state_k", 2: "mb_fast_m3_state2_k"}
 M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 # the kernels launched with more than the default 48 KiB of shared memory: their bound
-SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, "mb_m2_y_k": M2YI_SMEM, **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
+SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, "mb_m2_y_k": M2YI_SMEM,
+        **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
 # mb_m3_angles_k: a warp a block, so that its few threads (one a row, head and angle,
 # each walking all its row's tokens) spread over the multiprocessors, whose loads and

@@ -271,9 +271,15 @@ MB_DEV void ssd_mma_rows(float (&acc)[8][8], const float *a, const float *b)
         for (int q = 0; q < 8; q++) y[q] = *(const float4 *)(b + 8 * q * LDB + k);
         float xs[4][8], ys[4][8];
 #pragma unroll
-        for (int r = 0; r < 8; r++) xs[0][r] = x[r].x, xs[1][r] = x[r].y, xs[2][r] = x[r].z, xs[3][r] = x[r].w;
+        for (int r = 0; r < 8; r++) {
+            xs[0][r] = x[r].x, xs[1][r] = x[r].y;
+            xs[2][r] = x[r].z, xs[3][r] = x[r].w;
+        }
 #pragma unroll
-        for (int q = 0; q < 8; q++) ys[0][q] = y[q].x, ys[1][q] = y[q].y, ys[2][q] = y[q].z, ys[3][q] = y[q].w;
+        for (int q = 0; q < 8; q++) {
+            ys[0][q] = y[q].x, ys[1][q] = y[q].y;
+            ys[2][q] = y[q].z, ys[3][q] = y[q].w;
+        }
 #pragma unroll
         for (int u = 0; u < 4; u++) ssd_fma(acc, xs[u], ys[u]);
     }

@@ -721,7 +721,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
             const bool in = r < n;
             mb_cp_async16(&ring[st % 2][0][r][cc], q + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
             if (st < M3YI_STAGES / 2)
-                mb_cp_async16(&ring[st % 2][1][r][cc], k + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
+                mb_cp_async16(&ring[st % 2][1][r][cc], k + (in ? r : 0) * ld + m0 + cc,
+                              in ? 16 : 0);
             else
                 mb_cp_async16(&ring[st % 2][1][r][cc], hp + r * SSD_NS + m0 + cc, 16);
         }
