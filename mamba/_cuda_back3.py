@@ -15,7 +15,7 @@ the activations for any number of backward calls (_cuda_grad.g_vjp).
 """
 from types import SimpleNamespace
 
-from ._cuda_ssd import HP, M3_Q, NA, NS, SMEM, _plan, _release, m3_dims
+from ._cuda_ssd import HP, M3_Q, NA, NS, _plan, _release, m3_dims
 
 THREADS = 256
 CHUNK_THREADS = 256                      # back3.cu B3_THREADS
@@ -57,7 +57,7 @@ class Back3Mixin:
         fast = fast and self.tensor_cores  # else the identical path, its bits
         self._kernels(*_KERNELS, *(self.kname(k, fast) for k in _TWINS),
                       *self.m3_chunk_kernels(fast),
-                      smem={self.kname("m3b_chunk_k", fast): CHUNK_SMEM, **SMEM})
+                      smem={self.kname("m3b_chunk_k", fast): CHUNK_SMEM})
         self._enter()
         return (lambda st, f, snap: self._m3_stages(st, f, w, d_model, x, fast, snap),
                 lambda st, a, dyd, outs, consume: self._m3_pull(st, a, w, dyd, outs, fast,

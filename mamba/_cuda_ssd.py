@@ -186,7 +186,7 @@ class SsdMixin:
         """Look up the kernels (on first use) and return the _cuda module (imported
         here: _cuda imports this module)."""
         from . import _cuda
-        self._kernels(*names, smem=SMEM)
+        self._kernels(*names)
         return _cuda
 
     def _m2_prep(self, s, NC, desc, H, DTR, dt_bias, A_log, limit, dt, dA, cs):

@@ -157,6 +157,17 @@ def test_mamba3_fast_rows_in_groups(be, lane, monkeypatch):
     assert_same(got, one, lane.__name__)
 
 
+@pytest.mark.parametrize("name", list(_cuda_ssd.SMEM))
+def test_ssd_smem_bound_whoever_looks_first(be, name):
+    """A chunk kernel that launches with more than 48 KiB of dynamic shared memory
+    gets its bound from the first lookup, whichever caller makes it (the backward
+    looks mb_m2_y_k up on its own); the emulated driver refuses a launch over the
+    bound, as the real one does."""
+    fresh = emu.backend()
+    fresh._kernels(name)
+    assert fresh.cu.smem_bound.get(name, 0) >= _cuda_ssd.SMEM[name]
+
+
 @pytest.mark.parametrize("mode", ["identical", "fast"])
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_early_front(be, name, mode, monkeypatch):

@@ -19,6 +19,7 @@ class CUresult(enum.IntEnum):
 
 
 OK = (CUresult.CUDA_SUCCESS,)
+SMEM_DEFAULT = 48 * 1024  # dynamic shared memory a kernel may launch with unless raised
 
 
 class _Names:
@@ -58,6 +59,7 @@ class Driver:
         self.capture = {}    # stream -> the work recorded on it since cuStreamBeginCapture
         self.invalidated = False  # an unsafe call came during the captures in progress
         self.launched = set()
+        self.smem_bound = {}  # kernel -> its dynamic shared memory bound, where raised
         self.dependents = 0  # programmatic dependent launches
         self.error = b""
         self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
@@ -119,6 +121,8 @@ class Driver:
         return OK + (name.decode(),)
 
     def cuFuncSetAttribute(self, fn, attr, value):
+        if attr == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES":
+            self.smem_bound[fn] = value
         return OK
 
     def cuGetErrorName(self, err):
@@ -283,6 +287,10 @@ class Driver:
             self.error = f": {fn} is not in the emulation library".encode()
             return (CUresult.CUDA_ERROR_NOT_FOUND,)
         assert by == bz == 1, "the backend launches 1-D blocks"
+        if smem > max(SMEM_DEFAULT, self.smem_bound.get(fn, 0)):  # as the driver refuses it
+            self.error = (f": {fn} launched with {smem} bytes of dynamic shared memory, "
+                          f"its bound {self.smem_bound.get(fn, SMEM_DEFAULT)}").encode()
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         # copy every parameter: a captured launch runs after the caller's values are gone
         ptrs = (ctypes.c_void_p * k.nargs).from_address(params)
         vals = [ctypes.create_string_buffer(ctypes.string_at(ptrs[i], k.sizes[i]), k.sizes[i])
