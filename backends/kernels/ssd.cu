@@ -286,6 +286,26 @@ MB_DEV void ssd_mma_rows(float (&acc)[8][8], const float *a, const float *b)
 }
 MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' column q */
 
+/* The identical output kernels' rings: SSD_RK state columns a stage, a slot holding
+ * 64 rows of each factor, SSD_RLD floats apart (4 mod 32 over 8 rows: a quarter-warp's
+ * float4 reads on distinct banks). ssd_mma_stage: the thread's products of a slot. */
+#define SSD_RK 16
+#define SSD_RLD 20
+MB_DEV void ssd_mma_stage(float (&acc)[8][8], const float (*slot)[64][SSD_RLD])
+{
+    const int t = threadIdx.x;
+    ssd_mma_rows<SSD_RK, SSD_RLD, SSD_RLD>(acc, &slot[0][ssd_r(t)][0], &slot[1][t % 8][0]);
+}
+
+/* The four floats at x (16-byte aligned) times f, in place: a copied piece readied by
+ * the thread that copied it. */
+MB_DEV void ssd_scale4(float *x, float f)
+{
+    float4 w = *(float4 *)x;
+    w.x = w.x * f, w.y = w.y * f, w.z = w.z * f, w.w = w.w * f;
+    *(float4 *)x = w;
+}
+
 /* y * silu(z) of the four z at zr (16-byte aligned when vec; the output kernels' gate) */
 MB_DEV float4 ssd_gate4(float4 y, const float *zr, bool vec)
 {
@@ -402,20 +422,15 @@ MB_DEV void ssd_fold(int64_t n, AR arow, AS ascale, BR brow, BS bscale, Out out,
         }
         mb_cp_commit();
         mb_cp_wait<0>();
-        auto scale = [](float *x, float f) {
-            float4 w = *(float4 *)x;
-            w.x = w.x * f, w.y = w.y * f, w.z = w.z * f, w.w = w.w * f;
-            *(float4 *)x = w;
-        };
 #pragma unroll
         for (int u = 0; u < NA; u++) {
             const int e = t + T * u, r = e / PA;
-            if (r < nj) scale(&sA[r][4 * (e % PA)], ascale(j0 + r));
+            if (r < nj) ssd_scale4(&sA[r][4 * (e % PA)], ascale(j0 + r));
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {
             const int e = t + T * u, r = e / PB;
-            if (r < nj) scale(&sB[r][4 * (e % PB)], bscale(j0 + r));
+            if (r < nj) ssd_scale4(&sB[r][4 * (e % PB)], bscale(j0 + r));
         }
         __syncthreads();
 #pragma unroll

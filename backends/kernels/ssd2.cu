@@ -163,8 +163,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
  *   down the row tile (seg[i][j] the serial sum of dA[j+1..i] from +0, carried in
  *   segc from the tile above; rows before r0, which came from the state, only
  *   advance it) into Mt; parked in Mt;
- *   Y_off = C_i . h_prev, the chain over m, C's and h_prev's rows copied M2YI_K
- *   columns a stage into a ring of two where G and x were (ssd_mma_rows);
+ *   Y_off = C_i . h_prev, the chain over m, C's and h_prev's rows copied SSD_RK
+ *   columns a stage into a ring of two where G and x were (ssd_mma_stage);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
  *   r0 <= i < n, and gated, y * silu(z), into yg (z: the first di columns of zx's
  *   token rows, NP apart); either output may be null.
@@ -173,17 +173,15 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
         const float *zx, int64_t NP, float *yb, float *yg
-#define M2YI_K 16
-#define M2YI_LD 20 /* as ssd3.cu's M3YI_LD */
 MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
 {
     extern __shared__ __align__(16) float sm[];
     float(*Gr)[64] = (float(*)[64])sm;        /* G's tile [i][j] */
     float(*Xs)[SSD_LD] = (float(*)[SSD_LD])(sm + 64 * 64); /* x * dt [j][p] */
-    float(*ring)[2][64][M2YI_LD] = (float(*)[2][64][M2YI_LD])sm; /* [slot][C, h_prev] */
+    float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][C, h_prev] */
     float(*Mt)[SSD_LD] = Xs + 64; /* M^T, then Y */
     float *dAs = &Mt[64][0], *dts = dAs + M2Q, *segc = dts + M2Q;
-    static_assert(2 * 2 * 64 * M2YI_LD <= 64 * (64 + SSD_LD), "the ring fits where G and x were");
+    static_assert(2 * 2 * 64 * SSD_RLD <= 64 * (64 + SSD_LD), "the ring fits where G and x were");
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
@@ -219,13 +217,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
 #pragma unroll
                 for (int uu = 0; uu < 16; uu++) {
                     const int r = t / 16 + 4 * uu;
-                    if (r < nj) {
-                        float4 *w = (float4 *)&Xs[r][cc];
-                        float4 x = *w;
-                        const float f = dts[j0 + r];
-                        x.x = x.x * f, x.y = x.y * f, x.z = x.z * f, x.w = x.w * f;
-                        *w = x;
-                    }
+                    if (r < nj) ssd_scale4(&Xs[r][cc], dts[j0 + r]);
                 }
             }
             __syncthreads(); /* G and Xd are in */
@@ -262,10 +254,10 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
         __syncthreads(); /* M, G and Xd are consumed */
         ssd_park(Mt, acc);
         ssd_zero(acc);
-        /* stage st: columns M2YI_K st.. of C's rows i0.. and of h_prev's rows p; thread
+        /* stage st: columns SSD_RK st.. of C's rows i0.. and of h_prev's rows p; thread
          * t copies rows t / 4 + 16 v at column 4 (t % 4) */
         auto issue = [&](int st) {
-            const int m0 = st * M2YI_K, c4 = 4 * (t % 4);
+            const int m0 = st * SSD_RK, c4 = 4 * (t % 4);
 #pragma unroll
             for (int v = 0; v < 4; v++) {
                 const int r = t / 4 + 16 * v;
@@ -277,13 +269,12 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
         };
         issue(0);
         mb_cp_commit();
-        for (int st = 0; st < SSD_NS / M2YI_K; st++) {
+        for (int st = 0; st < SSD_NS / SSD_RK; st++) {
             mb_cp_wait<0>();
             __syncthreads(); /* stage st landed for all; the other slot is consumed */
-            if (st + 1 < SSD_NS / M2YI_K) issue(st + 1);
+            if (st + 1 < SSD_NS / SSD_RK) issue(st + 1);
             mb_cp_commit();
-            ssd_mma_rows<M2YI_K, M2YI_LD, M2YI_LD>(acc, &ring[st % 2][0][ssd_r(t)][0],
-                                                   &ring[st % 2][1][t % 8][0]);
+            ssd_mma_stage(acc, ring[st % 2]);
         }
         /* Y_diag + Y_off * exp(cs_i) in place of the parked Y_diag (seen by all since
          * the stages' barriers), then the rows a float4 a thread at a time (coalesced

@@ -688,13 +688,11 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
  * into yg (packed tokens, di wide) for rows r0 <= i < n. yg may be z itself (dip =
  * di): each element of z is read only by the thread that then writes it.
  * The rows of q with k (for G), then of q with h_prev (for ys), are copied as they
- * lie by cp.async, M3YI_K state columns a stage in a ring of two (ssd_mma_rows), v
+ * lie by cp.async, SSD_RK state columns a stage in a ring of two (ssd_mma_stage), v
  * with the first stage; each thread scales the k pieces it copied itself, so one
  * barrier a stage suffices. Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py),
  * which fits AMD's 64 KiB. */
-#define M3YI_K 16
-#define M3YI_LD 20 /* 4 mod 32 over 8 rows: a quarter-warp's float4 reads on distinct banks */
-#define M3YI_STAGES (2 * SSD_NS / M3YI_K)
+#define M3YI_STAGES (2 * SSD_NS / SSD_RK)
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
@@ -702,8 +700,8 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
 MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
     extern __shared__ __align__(16) float sm[];
-    float(*ring)[2][64][M3YI_LD] = (float(*)[2][64][M3YI_LD])sm; /* [slot][q, k or h] */
-    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * M3YI_LD); /* exp(seg), M^T, yi, y */
+    float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][q, k or h] */
+    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * SSD_RLD); /* exp(seg), M^T, yi, y */
     float(*Vs)[SSD_LD] = Mt + 64;
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
@@ -714,7 +712,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
     /* stage st: columns m0.. of q's rows and of k's (st < M3YI_STAGES / 2) or h_prev's
      * rows; thread t copies rows t / 4 + 16 u at column 4 (t % 4) (rows past n: +0) */
     auto issue = [&](int st) {
-        const int m0 = st * M3YI_K % SSD_NS, cc = 4 * (t % 4);
+        const int m0 = st * SSD_RK % SSD_NS, cc = 4 * (t % 4);
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int r = t / 4 + 16 * u;
@@ -772,13 +770,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const int r = t / 4 + 16 * u;
-                float4 *w = (float4 *)&ring[st % 2][1][r][4 * (t % 4)];
-                if (r < n) {
-                    const float f = sc[r];
-                    float4 x = *w;
-                    x.x = x.x * f, x.y = x.y * f, x.z = x.z * f, x.w = x.w * f;
-                    *w = x;
-                }
+                if (r < n) ssd_scale4(&ring[st % 2][1][r][4 * (t % 4)], sc[r]);
             }
         }
         __syncthreads(); /* stage st is ready for all; the other slot is consumed */
@@ -789,8 +781,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
             ssd_park(Mt, acc);
             ssd_zero(acc);
         }
-        ssd_mma_rows<M3YI_K, M3YI_LD, M3YI_LD>(acc, &ring[st % 2][0][ssd_r(t)][0],
-                                               &ring[st % 2][1][t % 8][0]);
+        ssd_mma_stage(acc, ring[st % 2]);
         if (st == M3YI_STAGES / 2 - 1) { /* G is complete: M, then yi = M . v */
 #pragma unroll
             for (int r = 0; r < 8; r++)
