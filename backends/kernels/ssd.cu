@@ -306,17 +306,61 @@ MB_DEV void ssd_scale4(float *x, float f)
     *(float4 *)x = w;
 }
 
-/* y * silu(z) of the four z at zr (16-byte aligned when vec; the output kernels' gate) */
-MB_DEV float4 ssd_gate4(float4 y, const float *zr, bool vec)
+/* exp(s) of a seg walk's s (mb_exp's bits): seg sums dA <= 0, so s is mostly in
+ * [MB_EXP_LO, 0], where mb_exp_core gives them cheaper; a group of a warp's lanes
+ * agrees on the branch but for the few columns that leave the range. */
+MB_DEV float ssd_exp_seg(float s) { return s >= MB_EXP_LO && s <= 0.0f ? mb_exp_core(s) : mb_exp(s); }
+
+/* The output kernels' last pass over a 64-row tile: Y[i - i0] in shared memory holds
+ * rows i0 + (0..63); those in [r0, n) (token tok0 + i - r0) are written at column
+ * col.., y = Y + x * D with XD (x's row i at x + i ldx), into yb and gated, y *
+ * silu(z), into yg (either may be null; z of token tok at z + tok ldz, 16-byte aligned
+ * when ldz is a multiple of 4; yg may be z itself, each z read by the thread that
+ * writes it). Thread t takes the float4 pieces t + SSD_UT u, all at column 4 (t %
+ * 16), in two batches whose x and z are all loaded before their first store: a load
+ * after a store to yb or yg waits for it (they may alias, as far as the compiler
+ * knows). */
+template <bool XD>
+MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], int64_t i0, int64_t r0, int64_t n,
+                         int64_t tok0, int64_t col, const float *x, int64_t ldx, float D,
+                         const float *z, int64_t ldz, float *yb, float *yg, int64_t ldy)
 {
-    float4 z;
-    if (vec)
-        z = *(const float4 *)zr;
-    else
-        z.x = zr[0], z.y = zr[1], z.z = zr[2], z.w = zr[3];
-    y.x = y.x * mb_silu(z.x), y.y = y.y * mb_silu(z.y);
-    y.z = y.z * mb_silu(z.z), y.w = y.w * mb_silu(z.w);
-    return y;
+    constexpr int PR = SSD_HP / 4, UB = 8, RS = SSD_UT / PR; /* pieces a row; a batch */
+    static_assert(64 * PR % (SSD_UT * UB) == 0, "whole batches");
+    const int t = threadIdx.x, p = 4 * (t % PR);
+    const bool zvec = (ldz & 3) == 0;
+#pragma unroll 1
+    for (int b = 0; b < 64 * PR / SSD_UT; b += UB) {
+        float4 xs[UB], zs[UB];
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            const int64_t i = i0 + t / PR + RS * (b + u);
+            if (i < r0 || i >= n) continue;
+            if (XD) xs[u] = *(const float4 *)(x + i * ldx + col + p);
+            if (!yg) continue;
+            const float *zr = z + (tok0 + i - r0) * ldz + col + p;
+            if (zvec)
+                zs[u] = *(const float4 *)zr;
+            else
+                zs[u].x = zr[0], zs[u].y = zr[1], zs[u].z = zr[2], zs[u].w = zr[3];
+        }
+#pragma unroll
+        for (int u = 0; u < UB; u++) {
+            const int64_t i = i0 + t / PR + RS * (b + u);
+            if (i < r0 || i >= n) continue;
+            float4 y = *(const float4 *)&Y[i - i0][p];
+            if (XD) {
+                y.x = y.x + xs[u].x * D, y.y = y.y + xs[u].y * D;
+                y.z = y.z + xs[u].z * D, y.w = y.w + xs[u].w * D;
+            }
+            const int64_t o = (tok0 + i - r0) * ldy + col + p;
+            if (yb) *(float4 *)(yb + o) = y;
+            if (!yg) continue;
+            y.x = y.x * mb_silu(zs[u].x), y.y = y.y * mb_silu(zs[u].y);
+            y.z = y.z * mb_silu(zs[u].z), y.w = y.w * mb_silu(zs[u].w);
+            *(float4 *)(yg + o) = y;
+        }
+    }
 }
 
 MB_DEV void ssd_zero(float (&acc)[8][8])

@@ -223,22 +223,30 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             __syncthreads(); /* G and Xd are in */
             const int64_t j = j0 + t;
             if (t < nj) {
-                /* column j's rows i0 + ii, stored four rows to a float4 (rows before j,
-                 * past n or before r0 are never read) */
+                /* column j's rows i0 + ii, eight at a time: the chain of adds first, then
+                 * the eight exps, which overlap; stored four rows to a float4 (rows before
+                 * j, past n or before r0 are never read) */
                 float s = j0 < i0 ? segc[j] : 0.0f;
-                for (int ii0 = j0 < i0 ? 0 : t & ~3; ii0 < ni; ii0 += 4) {
-                    float mv[4];
+                for (int ii0 = j0 < i0 ? 0 : t & ~7; ii0 < ni; ii0 += 8) {
+                    float sv[8];
+                    bool in[8];
 #pragma unroll
-                    for (int k = 0; k < 4; k++) {
+                    for (int k = 0; k < 8; k++) {
                         const int64_t i = i0 + ii0 + k;
-                        mv[k] = 0.0f;
-                        if (i < j || i >= n) continue;
-                        if (i > j) s = s + dAs[i];
-                        if (i >= r0) mv[k] = Gr[ii0 + k][t] * mb_exp(s);
+                        if (i > j && i < n) s = s + dAs[i];
+                        sv[k] = s;
+                        in[k] = i >= j && i < n && i >= r0;
                     }
-                    float4 v;
-                    v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
-                    *(float4 *)&Mt[t][ii0] = v;
+#pragma unroll
+                    for (int g = 0; g < 2; g++) {
+                        float mv[4];
+#pragma unroll
+                        for (int k = 0; k < 4; k++)
+                            mv[k] = in[4 * g + k] ? Gr[ii0 + 4 * g + k][t] * ssd_exp_seg(sv[4 * g + k]) : 0.0f;
+                        float4 v;
+                        v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
+                        *(float4 *)&Mt[t][ii0 + 4 * g] = v;
+                    }
                 }
                 segc[j] = s;
             }
@@ -289,21 +297,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             }
         }
         __syncthreads();
-        for (int k = t; k < 64 * (SSD_HP / 4); k += SSD_UT) {
-            const int64_t i = i0 + k / (SSD_HP / 4);
-            const int p = 4 * (k % (SSD_HP / 4));
-            if (i < r0 || i >= n) continue;
-            const int64_t tok = d[4] + i - r0;
-            const float4 v = *(const float4 *)&Mt[i - i0][p];
-            const float4 xv = *(const float4 *)(u + i * CD + h * SSD_HP + p);
-            float4 y;
-            y.x = v.x + xv.x * D[h], y.y = v.y + xv.y * D[h];
-            y.z = v.z + xv.z * D[h], y.w = v.w + xv.w * D[h];
-            if (yb) *(float4 *)(yb + tok * di + h * SSD_HP + p) = y;
-            if (yg) /* rows 16-byte aligned when NP is a multiple of 4 */
-                *(float4 *)(yg + tok * di + h * SSD_HP + p) =
-                    ssd_gate4(y, zx + tok * NP + h * SSD_HP + p, (NP & 3) == 0);
-        }
+        ssd_out_rows<true>(Mt, i0, r0, n, d[4], h * SSD_HP, u, CD, D[h], zx, NP, yb, yg, di);
     }
 }
 

@@ -757,8 +757,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
                 sv[u] = s;
             }
             float4 w;
-            w.x = in[0] ? mb_exp(sv[0]) : 0.0f, w.y = in[1] ? mb_exp(sv[1]) : 0.0f;
-            w.z = in[2] ? mb_exp(sv[2]) : 0.0f, w.w = in[3] ? mb_exp(sv[3]) : 0.0f;
+            w.x = in[0] ? ssd_exp_seg(sv[0]) : 0.0f, w.y = in[1] ? ssd_exp_seg(sv[1]) : 0.0f;
+            w.z = in[2] ? ssd_exp_seg(sv[2]) : 0.0f, w.w = in[3] ? ssd_exp_seg(sv[3]) : 0.0f;
             *(float4 *)&Mt[t][i0] = w;
         }
     }
@@ -815,14 +815,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         }
     }
     __syncthreads();
-    for (int k = t; k < 64 * (SSD_HP / 4); k += SSD_UT) {
-        const int64_t i = k / (SSD_HP / 4);
-        const int p = 4 * (k % (SSD_HP / 4));
-        if (i < r0 || i >= n) continue;
-        const int64_t tok = d[4] + i - r0;
-        *(float4 *)(yg + tok * di + h * SSD_HP + p) = ssd_gate4(
-            *(const float4 *)&Mt[i][p], zx + tok * dip + h * SSD_HP + p, (dip & 3) == 0);
-    }
+    ssd_out_rows<false>(Mt, 0, r0, n, d[4], h * SSD_HP, nullptr, 0, 0.0f, zx, dip, nullptr, yg, di);
 }
 
 #if defined(MB_MMA)
