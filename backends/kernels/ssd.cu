@@ -306,60 +306,75 @@ MB_DEV void ssd_scale4(float *x, float f)
     *(float4 *)x = w;
 }
 
-/* exp(s) of a seg walk's s (mb_exp's bits): seg sums dA <= 0, so s is mostly in
- * [MB_EXP_LO, 0], where mb_exp_core gives them cheaper; a group of a warp's lanes
- * agrees on the branch but for the few columns that leave the range. */
-MB_DEV float ssd_exp_seg(float s) { return s >= MB_EXP_LO && s <= 0.0f ? mb_exp_core(s) : mb_exp(s); }
+/* exp of a seg walk's N values (mb_exp's bits): seg sums dA <= 0, so they mostly lie
+ * in [MB_EXP_LO, 0], where mb_exp_core gives the same bits cheaper; one branch for
+ * the group keeps its exps side by side. */
+template <int N>
+MB_DEV void ssd_exp_seg(const float (&s)[N], float (&e)[N])
+{
+    bool core = true;
+#pragma unroll
+    for (int k = 0; k < N; k++) core = core && s[k] >= MB_EXP_LO && s[k] <= 0.0f;
+    if (core) {
+#pragma unroll
+        for (int k = 0; k < N; k++) e[k] = mb_exp_core(s[k]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < N; k++) e[k] = mb_exp(s[k]);
+    }
+}
 
 /* The output kernels' last pass over a 64-row tile: Y[i - i0] in shared memory holds
  * rows i0 + (0..63); those in [r0, n) (token tok0 + i - r0) are written at column
  * col.., y = Y + x * D with XD (x's row i at x + i ldx), into yb and gated, y *
  * silu(z), into yg (either may be null; z of token tok at z + tok ldz, 16-byte aligned
  * when ldz is a multiple of 4; yg may be z itself, each z read by the thread that
- * writes it). Thread t takes the float4 pieces t + SSD_UT u, all at column 4 (t %
- * 16), in two batches whose x and z are all loaded before their first store: a load
- * after a store to yb or yg waits for it (they may alias, as far as the compiler
- * knows). */
+ * writes it). Thread t takes the float4 pieces t + SSD_UT u, all at column 4 (t % 16);
+ * their z and x are first copied by cp.async into st (SSD_OUT_ST(XD) floats, 16-byte
+ * aligned, each thread reading back only its own pieces), so that no load waits
+ * behind a store to yb or yg (they may alias, as far as the compiler knows). */
+#define SSD_OUT_ST(XD) ((XD) ? 2 : 1) * 64 * SSD_HP
 template <bool XD>
-MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], int64_t i0, int64_t r0, int64_t n,
-                         int64_t tok0, int64_t col, const float *x, int64_t ldx, float D,
-                         const float *z, int64_t ldz, float *yb, float *yg, int64_t ldy)
+MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], float *st, int64_t i0, int64_t r0,
+                         int64_t n, int64_t tok0, int64_t col, const float *x, int64_t ldx,
+                         float D, const float *z, int64_t ldz, float *yb, float *yg,
+                         int64_t ldy)
 {
-    constexpr int PR = SSD_HP / 4, UB = 8, RS = SSD_UT / PR; /* pieces a row; a batch */
-    static_assert(64 * PR % (SSD_UT * UB) == 0, "whole batches");
+    constexpr int PR = SSD_HP / 4, U = 64 * PR / SSD_UT, RS = SSD_UT / PR; /* pieces a row */
     const int t = threadIdx.x, p = 4 * (t % PR);
+    float *sz = st + 4 * t, *sx = sz + 64 * SSD_HP; /* piece u at + 4 SSD_UT u */
     const bool zvec = (ldz & 3) == 0;
-#pragma unroll 1
-    for (int b = 0; b < 64 * PR / SSD_UT; b += UB) {
-        float4 xs[UB], zs[UB];
-#pragma unroll
-        for (int u = 0; u < UB; u++) {
-            const int64_t i = i0 + t / PR + RS * (b + u);
-            if (i < r0 || i >= n) continue;
-            if (XD) xs[u] = *(const float4 *)(x + i * ldx + col + p);
-            if (!yg) continue;
-            const float *zr = z + (tok0 + i - r0) * ldz + col + p;
-            if (zvec)
-                zs[u] = *(const float4 *)zr;
-            else
-                zs[u].x = zr[0], zs[u].y = zr[1], zs[u].z = zr[2], zs[u].w = zr[3];
+#pragma unroll 4
+    for (int u = 0; u < U; u++) {
+        const int64_t i = i0 + t / PR + RS * u;
+        if (i < r0 || i >= n) continue;
+        if (XD) mb_cp_async16(sx + 4 * SSD_UT * u, x + i * ldx + col + p, 16);
+        if (!yg) continue;
+        const float *zr = z + (tok0 + i - r0) * ldz + col + p;
+        if (zvec)
+            mb_cp_async16(sz + 4 * SSD_UT * u, zr, 16);
+        else
+            for (int k = 0; k < 4; k++) mb_cp_async4(sz + 4 * SSD_UT * u + k, zr + k, 4);
+    }
+    mb_cp_commit();
+    mb_cp_wait<0>();
+#pragma unroll 2
+    for (int u = 0; u < U; u++) {
+        const int64_t i = i0 + t / PR + RS * u;
+        if (i < r0 || i >= n) continue;
+        float4 y = *(const float4 *)&Y[i - i0][p];
+        if (XD) {
+            const float4 xv = *(const float4 *)(sx + 4 * SSD_UT * u);
+            y.x = y.x + xv.x * D, y.y = y.y + xv.y * D;
+            y.z = y.z + xv.z * D, y.w = y.w + xv.w * D;
         }
-#pragma unroll
-        for (int u = 0; u < UB; u++) {
-            const int64_t i = i0 + t / PR + RS * (b + u);
-            if (i < r0 || i >= n) continue;
-            float4 y = *(const float4 *)&Y[i - i0][p];
-            if (XD) {
-                y.x = y.x + xs[u].x * D, y.y = y.y + xs[u].y * D;
-                y.z = y.z + xs[u].z * D, y.w = y.w + xs[u].w * D;
-            }
-            const int64_t o = (tok0 + i - r0) * ldy + col + p;
-            if (yb) *(float4 *)(yb + o) = y;
-            if (!yg) continue;
-            y.x = y.x * mb_silu(zs[u].x), y.y = y.y * mb_silu(zs[u].y);
-            y.z = y.z * mb_silu(zs[u].z), y.w = y.w * mb_silu(zs[u].w);
-            *(float4 *)(yg + o) = y;
-        }
+        const int64_t o = (tok0 + i - r0) * ldy + col + p;
+        if (yb) *(float4 *)(yb + o) = y;
+        if (!yg) continue;
+        const float4 zv = *(const float4 *)(sz + 4 * SSD_UT * u);
+        y.x = y.x * mb_silu(zv.x), y.y = y.y * mb_silu(zv.y);
+        y.z = y.z * mb_silu(zv.z), y.w = y.w * mb_silu(zv.w);
+        *(float4 *)(yg + o) = y;
     }
 }
 

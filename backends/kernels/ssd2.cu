@@ -182,6 +182,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
     float(*Mt)[SSD_LD] = Xs + 64; /* M^T, then Y */
     float *dAs = &Mt[64][0], *dts = dAs + M2Q, *segc = dts + M2Q;
     static_assert(2 * 2 * 64 * SSD_RLD <= 64 * (64 + SSD_LD), "the ring fits where G and x were");
+    static_assert(SSD_OUT_ST(true) <= 64 * (64 + SSD_LD), "so does the output pass's x and z");
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
@@ -237,12 +238,14 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
                         sv[k] = s;
                         in[k] = i >= j && i < n && i >= r0;
                     }
+                    float ev[8];
+                    ssd_exp_seg(sv, ev);
 #pragma unroll
                     for (int g = 0; g < 2; g++) {
                         float mv[4];
 #pragma unroll
                         for (int k = 0; k < 4; k++)
-                            mv[k] = in[4 * g + k] ? Gr[ii0 + 4 * g + k][t] * ssd_exp_seg(sv[4 * g + k]) : 0.0f;
+                            mv[k] = in[4 * g + k] ? Gr[ii0 + 4 * g + k][t] * ev[4 * g + k] : 0.0f;
                         float4 v;
                         v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
                         *(float4 *)&Mt[t][ii0 + 4 * g] = v;
@@ -297,7 +300,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             }
         }
         __syncthreads();
-        ssd_out_rows<true>(Mt, i0, r0, n, d[4], h * SSD_HP, u, CD, D[h], zx, NP, yb, yg, di);
+        ssd_out_rows<true>(Mt, sm, i0, r0, n, d[4], h * SSD_HP, u, CD, D[h], zx, NP, yb, yg, di);
     }
 }
 

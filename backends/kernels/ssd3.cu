@@ -701,6 +701,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
     extern __shared__ __align__(16) float sm[];
     float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][q, k or h] */
+    static_assert(SSD_OUT_ST(false) <= 2 * 2 * 64 * SSD_RLD, "the output pass's z fits in the ring");
     float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * SSD_RLD); /* exp(seg), M^T, yi, y */
     float(*Vs)[SSD_LD] = Mt + 64;
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
@@ -757,8 +758,10 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
                 sv[u] = s;
             }
             float4 w;
-            w.x = in[0] ? ssd_exp_seg(sv[0]) : 0.0f, w.y = in[1] ? ssd_exp_seg(sv[1]) : 0.0f;
-            w.z = in[2] ? ssd_exp_seg(sv[2]) : 0.0f, w.w = in[3] ? ssd_exp_seg(sv[3]) : 0.0f;
+            float ev[4];
+            ssd_exp_seg(sv, ev);
+            w.x = in[0] ? ev[0] : 0.0f, w.y = in[1] ? ev[1] : 0.0f;
+            w.z = in[2] ? ev[2] : 0.0f, w.w = in[3] ? ev[3] : 0.0f;
             *(float4 *)&Mt[t][i0] = w;
         }
     }
@@ -815,7 +818,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         }
     }
     __syncthreads();
-    ssd_out_rows<false>(Mt, 0, r0, n, d[4], h * SSD_HP, nullptr, 0, 0.0f, zx, dip, nullptr, yg, di);
+    ssd_out_rows<false>(Mt, sm, 0, r0, n, d[4], h * SSD_HP, nullptr, 0, 0.0f, zx, dip, nullptr, yg, di);
 }
 
 #if defined(MB_MMA)
