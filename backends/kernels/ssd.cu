@@ -440,24 +440,43 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 }
 
 #define SSD_FOLD_THREADS 256
-#define SSD_FJ 32 /* chunk rows staged per step of a fold */
+#define SSD_FJ 32 /* rows of a fold's shared buffers: two stages of SSD_FJ / 2 */
 
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
  * (one fmaf each, from +0), a(j, m) = arow(j)[m] * ascale(j) and b(j, p) = brow(j)[p]
- * * bscale(j), each product rounded once: SSD_FJ rows of both factors are copied
- * as they lie by cp.async into sA, sB (rows 16-byte aligned), so a step waits on
- * one global latency, and each thread scales the pieces it copied itself. Virtual
- * thread u of SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8) + (0..3),
- * + 32 + (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a thread.
- * Writes out(e, S) for e = p * SSD_NS + m. The caller's block shares sA, sB; what
- * the scales read in shared memory is published by the first step's barrier. */
-template <int T = SSD_FOLD_THREADS, class AR, class AS, class BR, class BS, class Out>
-MB_DEV void ssd_fold(int64_t n, AR arow, AS ascale, BR brow, BS bscale, Out out,
+ * * bscale(j), each product rounded once. Rows are copied as they lie by cp.async into
+ * a ring of two stages of SSD_FJ / 2 rows in sA, sB (rows 16-byte aligned): a stage's
+ * copy is in flight while the stage before it is scaled and multiplied, and the first
+ * one while tables() fills what the scales read (its barriers its own; the loop's
+ * first barrier publishes it). Each thread scales the pieces it copied itself.
+ * Virtual thread u of SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8)
+ * + (0..3), + 32 + (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a
+ * thread. Writes out(e, S) for e = p * SSD_NS + m. */
+template <int T = SSD_FOLD_THREADS, class Tab, class AR, class AS, class BR, class BS, class Out>
+MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bscale, Out out,
                      float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
-    constexpr int V = SSD_FOLD_THREADS / T;
+    constexpr int V = SSD_FOLD_THREADS / T, FS = SSD_FJ / 2;
     constexpr int PA = SSD_NS / 4, PB = SSD_HP / 4; /* 16-byte pieces a row */
-    constexpr int NA = SSD_FJ * PA / T, NB = SSD_FJ * PB / T;
+    constexpr int NA = FS * PA / T, NB = FS * PB / T;
+    static_assert(NA * T == FS * PA && NB * T == FS * PB, "whole pieces a thread");
+    const int t = threadIdx.x;
+    auto copy = [&](int64_t j0, int st) { /* rows past n: +0 */
+        const int nj = n - j0 < FS ? (int)(n - j0) : FS;
+#pragma unroll
+        for (int u = 0; u < NA; u++) {
+            const int e = t + T * u, r = e / PA, c = 4 * (e % PA);
+            mb_cp_async16(&sA[st * FS + r][c], arow(r < nj ? j0 + r : j0) + c, r < nj ? 16 : 0);
+        }
+#pragma unroll
+        for (int u = 0; u < NB; u++) {
+            const int e = t + T * u, r = e / PB, c = 4 * (e % PB);
+            mb_cp_async16(&sB[st * FS + r][c], brow(r < nj ? j0 + r : j0) + c, r < nj ? 16 : 0);
+        }
+        mb_cp_commit();
+    };
+    copy(0, 0);
+    tables();
     float acc[V][4][8];
 #pragma unroll
     for (int v = 0; v < V; v++)
@@ -465,38 +484,32 @@ MB_DEV void ssd_fold(int64_t n, AR arow, AS ascale, BR brow, BS bscale, Out out,
         for (int r = 0; r < 4; r++)
 #pragma unroll
             for (int q = 0; q < 8; q++) acc[v][r][q] = 0.0f;
-    const int t = threadIdx.x;
-    for (int64_t j0 = 0; j0 < n; j0 += SSD_FJ) {
-        const int nj = n - j0 < SSD_FJ ? (int)(n - j0) : SSD_FJ;
-        __syncthreads(); /* the previous rows are consumed (the first time: the tables) */
-#pragma unroll
-        for (int u = 0; u < NA; u++) { /* rows past n: +0 */
-            const int e = t + T * u, r = e / PA, c = 4 * (e % PA);
-            mb_cp_async16(&sA[r][c], arow(r < nj ? j0 + r : j0) + c, r < nj ? 16 : 0);
+    int st = 0;
+    for (int64_t j0 = 0; j0 < n; j0 += FS, st ^= 1) {
+        const int nj = n - j0 < FS ? (int)(n - j0) : FS;
+        __syncthreads(); /* the other stage is consumed (the first time: the tables) */
+        if (j0 + FS < n) {
+            copy(j0 + FS, st ^ 1);
+            mb_cp_wait<1>();
+        } else {
+            mb_cp_wait<0>();
         }
-#pragma unroll
-        for (int u = 0; u < NB; u++) {
-            const int e = t + T * u, r = e / PB, c = 4 * (e % PB);
-            mb_cp_async16(&sB[r][c], brow(r < nj ? j0 + r : j0) + c, r < nj ? 16 : 0);
-        }
-        mb_cp_commit();
-        mb_cp_wait<0>();
 #pragma unroll
         for (int u = 0; u < NA; u++) {
             const int e = t + T * u, r = e / PA;
-            if (r < nj) ssd_scale4(&sA[r][4 * (e % PA)], ascale(j0 + r));
+            if (r < nj) ssd_scale4(&sA[st * FS + r][4 * (e % PA)], ascale(j0 + r));
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {
             const int e = t + T * u, r = e / PB;
-            if (r < nj) ssd_scale4(&sB[r][4 * (e % PB)], bscale(j0 + r));
+            if (r < nj) ssd_scale4(&sB[st * FS + r][4 * (e % PB)], bscale(j0 + r));
         }
         __syncthreads();
 #pragma unroll
         for (int v = 0; v < V; v++) {
             const int u = t + v * T;
-            ssd_mma<4, 4, 8, 32>(acc[v], &sA[0][4 * (u / 8)], SSD_NS, &sB[0][4 * (u % 8)], SSD_HP,
-                                 0, nj);
+            ssd_mma<4, 4, 8, 32>(acc[v], &sA[st * FS][4 * (u / 8)], SSD_NS,
+                                 &sB[st * FS][4 * (u % 8)], SSD_HP, 0, nj);
         }
     }
 #pragma unroll

@@ -120,12 +120,17 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
         return;
     }
     const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q, *u = U + e0 * CD;
-    const float last = csc[n - 1], ex = mb_exp(last);
-    for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
+    float ex = 0.0f;
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
     ssd_fold(
-        n, [&](int64_t j) { return u + j * CD + di; }, [&](int64_t j) { return dec[j]; },
+        n,
+        [&] {
+            const float last = csc[n - 1];
+            ex = mb_exp(last);
+            for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
+        },
+        [&](int64_t j) { return u + j * CD + di; }, [&](int64_t j) { return dec[j]; },
         [&](int64_t j) { return u + j * CD + h * SSD_HP; }, [&](int64_t j) { return dtc[j]; },
         [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;

@@ -343,28 +343,40 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
  * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
  * v_j = vrow(j); out(e, S, exp(cs_last)) per element. cs, sc, dec: M3Q floats of
- * shared memory each. */
+ * shared memory each. The tables are made while the first rows' copy is in flight. */
 template <int T, class Adt, class Scl, class KR, class VR, class Out>
 MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
-    /* the row values loaded by one thread each, then the cumsum serial over shared
-     * memory (n global latencies in a row otherwise) */
     const int t = threadIdx.x;
-    if (t < n) {
-        cs[t] = adt(t);
-        sc[t] = scl(t);
-    }
-    __syncthreads();
-    if (t == 0) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++) cs[j] = acc = acc + cs[j];
-    }
-    __syncthreads();
-    const float last = cs[n - 1], ex = mb_exp(last);
-    if (t < n) dec[t] = mb_exp(last - cs[t]);
-    ssd_fold<T>(n, krow, [&](int64_t j) { return sc[j]; }, vrow, [&](int64_t j) { return dec[j]; },
-                [&](int64_t e, float acc) { out(e, acc, ex); }, sA, sB);
+    float ex = 0.0f;
+    auto tables = [&] {
+        /* the row values loaded by one thread each, then the cumsum serial in
+         * registers, eight loads ahead */
+        if (t < n) {
+            cs[t] = adt(t);
+            sc[t] = scl(t);
+        }
+        __syncthreads();
+        if (t == 0) {
+            float acc = 0.0f;
+            for (int64_t j0 = 0; j0 < n; j0 += 8) {
+                float v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) v[u] = j0 + u < n ? cs[j0 + u] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 8; u++)
+                    if (j0 + u < n) cs[j0 + u] = acc = acc + v[u];
+            }
+        }
+        __syncthreads();
+        const float last = cs[n - 1];
+        ex = mb_exp(last);
+        if (t < n) dec[t] = mb_exp(last - cs[t]);
+    };
+    ssd_fold<T>(n, tables, krow, [&](int64_t j) { return sc[j]; }, vrow,
+                [&](int64_t j) { return dec[j]; }, [&](int64_t e, float acc) { out(e, acc, ex); },
+                sA, sB);
 }
 
 /* Block (chunk c, head h), SSD_FOLD_THREADS threads. Without hin: chunks with the
