@@ -245,7 +245,10 @@ mb_m2b_off_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
              [](int64_t) { return 1.0f; }, /* C_i as it is (the multiply folds away) */
              [&](int64_t i) { return dY + (tok + i) * di + h * SSD_HP; },
              [&](int64_t i) { return ev[i]; },
-             [&](int64_t e, float acc) { Sd[ch * BPER + (e % SSD_NS) * SSD_HP + e / SSD_NS] = acc; },
+             [&](int64_t e, float4 v) {
+                 float *s = Sd + ch * BPER + (e % SSD_NS) * SSD_HP + e / SSD_NS;
+                 s[0] = v.x, s[SSD_HP] = v.y, s[2 * SSD_HP] = v.z, s[3 * SSD_HP] = v.w;
+             },
              cr, yr);
 }
 

@@ -451,7 +451,7 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
  * first barrier publishes it). Each thread scales the pieces it copied itself.
  * Virtual thread u of SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8)
  * + (0..3), + 32 + (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a
- * thread. Writes out(e, S) for e = p * SSD_NS + m. */
+ * thread. Writes out(e, v), v = S at e = p * SSD_NS + m .. + 3 (m a multiple of 4). */
 template <int T = SSD_FOLD_THREADS, class Tab, class AR, class AS, class BR, class BS, class Out>
 MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bscale, Out out,
                      float (*sA)[SSD_NS], float (*sB)[SSD_HP])
@@ -516,11 +516,21 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bsca
     for (int v = 0; v < V; v++) {
         const int u = t + v * T, m0 = 4 * (u / 8), p0 = 4 * (u % 8);
 #pragma unroll
-        for (int r = 0; r < 4; r++)
-#pragma unroll
-            for (int q = 0; q < 8; q++)
-                out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0 + r, acc[v][r][q]);
+        for (int q = 0; q < 8; q++)
+            out((p0 + (q < 4 ? q : 28 + q)) * SSD_NS + m0,
+                make_float4(acc[v][0][q], acc[v][1][q], acc[v][2][q], acc[v][3][q]));
     }
+}
+
+/* o[e .. e + 3] = v, or fma(ex, hi, v) elementwise where hi is given (a fold onto an
+ * entering state); o and hi 16-byte aligned at e. */
+MB_DEV void ssd_put4(float *o, const float *hi, float ex, int64_t e, float4 v)
+{
+    if (hi) {
+        const float4 h = *(const float4 *)(hi + e);
+        v = make_float4(fmaf(ex, h.x, v.x), fmaf(ex, h.y, v.y), fmaf(ex, h.z, v.z), fmaf(ex, h.w, v.w));
+    }
+    *(float4 *)(o + e) = v;
 }
 
 #if defined(MB_MMA)

@@ -132,7 +132,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
         },
         [&](int64_t j) { return u + j * CD + di; }, [&](int64_t j) { return dec[j]; },
         [&](int64_t j) { return u + j * CD + h * SSD_HP; }, [&](int64_t j) { return dtc[j]; },
-        [&](int64_t e, float acc) { o[e] = hi ? fmaf(ex, hi[e], acc) : acc; }, sA, sB);
+        [&](int64_t e, float4 v) { ssd_put4(o, hi, ex, e, v); }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;
 }
 

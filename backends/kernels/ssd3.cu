@@ -342,8 +342,8 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
 /* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
  * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
- * v_j = vrow(j); out(e, S, exp(cs_last)) per element. cs, sc, dec: M3Q floats of
- * shared memory each. The tables are made while the first rows' copy is in flight. */
+ * v_j = vrow(j); out(e, v, exp(cs_last)) per four elements (as ssd_fold's out). cs,
+ * sc, dec: M3Q floats of shared memory each. The tables are made while the first rows' copy is in flight. */
 template <int T, class Adt, class Scl, class KR, class VR, class Out>
 MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
@@ -375,7 +375,7 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
         if (t < n) dec[t] = mb_exp(last - cs[t]);
     };
     ssd_fold<T>(n, tables, krow, [&](int64_t j) { return sc[j]; }, vrow,
-                [&](int64_t j) { return dec[j]; }, [&](int64_t e, float acc) { out(e, acc, ex); },
+                [&](int64_t j) { return dec[j]; }, [&](int64_t e, float4 v) { out(e, v, ex); },
                 sA, sB);
 }
 
@@ -404,8 +404,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, c
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
         [&](int64_t j) { return K + ((k0 + j) * H + h) * SSD_NS; },
         [&](int64_t j) { return V + ((e0 + j) * H + h) * SSD_HP; },
-        [&](int64_t e, float acc, float ex) {
-            o[e] = hi ? fmaf(ex, hi[e], acc) : acc;
+        [&](int64_t e, float4 v, float ex) {
+            ssd_put4(o, hi, ex, e, v);
             if (!hin && e == 0) E[ch] = ex;
         },
         cs, sc, dec, sA, sB);

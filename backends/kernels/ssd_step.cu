@@ -396,7 +396,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
             M3Q, [&](int64_t j) { return bad[at(j)]; }, [&](int64_t j) { return scale(j, M3Q); },
             [&](int64_t j) { return bk + at(j) * SSD_NS; },
             [&](int64_t j) { return bv + at(j) * SSD_HP; },
-            [&](int64_t e, float acc, float ex) { hs[e] = fmaf(ex, hs[e], acc); }, cs, sc, dec,
+            [&](int64_t e, float4 v, float ex) { ssd_put4(hs, hs, ex, e, v); }, cs, sc, dec,
             fA, fB);
         __syncthreads(); /* h is whole before its rows are read */
     }
