@@ -41,6 +41,7 @@ GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96, 2), ("mb_gemm_n160_k", 64, 160, 16
 GEMM_TAIL = {"mb_gemm_k": ("mb_gemm_tail_k", 32, 64, 64),
              "mb_gemm_res_k": ("mb_gemm_tail_res_k", 32, 64, 64)}
 TAIL_MAX = 0.5  # the tail kernels take a remainder of at most this much of a wave
+STRIP_MAX = 0.25  # and columns past the last whole wide tile up to this much of one
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
@@ -778,7 +779,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                      host=0):
         """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none); norm: as
         gemm's; host: the check's host words (gemm's check)."""
-        P = _cdiv(K, LEAF)
+        P, nw = _cdiv(K, LEAF), N  # nw: the columns of the main launch
         if M <= GEMV_MAX_M:
             name, threads = "mb_gemv_k", GEMV_THREADS
             smem = self.gemv_norm_smem(M, K) if norm else self.gemv_smem
@@ -789,15 +790,22 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             narrow = [g for g in GEMM_NARROW if N <= g[2]]
             name, bm, bn, threads, per_sm = (GEMM_RES if res else narrow[0] if narrow else
                                              GEMM_WIDE)
-            tiles, wave = _cdiv(M, bm) * _cdiv(N, bn), per_sm * self.sms
+            rects = []  # the small tiles' rectangles
+            if P == 1 and name in GEMM_TAIL and N > bn and 0 < N % bn <= bn * STRIP_MAX:
+                nw = N - N % bn
+                rects.append((0, M, nw, N))
+            tiles, wave = _cdiv(M, bm) * _cdiv(nw, bn), per_sm * self.sms
             left = tiles % wave
             if P == 1 and name in GEMM_TAIL and tiles > wave and left <= TAIL_MAX * wave:
-                self._gemm_tail(s, name, bm, bn, tiles - left, M, N, K, X, ldx, W, ldw, Y, ldy,
-                                res)
+                r, c = divmod(tiles - left, _cdiv(nw, bn))  # the tail's first tile
+                rects += [(r * bm, min(M, (r + 1) * bm), c * bn, nw), ((r + 1) * bm, M, 0, nw)] \
+                    if c else [(r * bm, M, 0, nw)]
                 tiles -= left
+            if rects:
+                self._gemm_tail(s, name, rects, K, X, ldx, W, ldw, Y, ldy, res)
             smem, grid, tail = 0, (tiles, 1, P), (res, ldy)
         if P == 1:
-            self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
+            self._launch(s, name, grid, threads, M, nw, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
                          smem=smem)
             return
         self._launch(s, name, grid, threads, M, N, K, X, ldx, W, ldw, parts, N, M * N,
@@ -805,21 +813,18 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
 
-    def _gemm_tail(self, s, wide, bm, bn, first, M, N, K, X, ldx, W, ldw, Y, ldy, res):
-        """The tiles of a one-leaf wide call from tile `first` on (row-major over (M /
-        bm, N / bn)) as the small tiles of GEMM_TAIL[wide]: the rest of tile row r and
-        the rows after it."""
+    def _gemm_tail(self, s, wide, rects, K, X, ldx, W, ldw, Y, ldy, res):
+        """Rectangles (m0, m1, n0, n1) of a one-leaf wide call's output as the small
+        tiles of GEMM_TAIL[wide]: the tiles past its last whole wave, and a narrow
+        last column of tiles."""
         name, tbm, tbn, threads = GEMM_TAIL[wide]
-        r, c = divmod(first, _cdiv(N, bn))
-        rects = [(r * bm, min(M, (r + 1) * bm), c * bn), ((r + 1) * bm, M, 0)] if c else [
-            (r * bm, M, 0)]
         X, W, Y, res = _ptr(X), _ptr(W), _ptr(Y), _ptr(res)
-        for m0, m1, n0 in rects:
-            if m1 <= m0:
+        for m0, m1, n0, n1 in rects:
+            if m1 <= m0 or n1 <= n0:
                 continue
             at = 4 * (m0 * ldy + n0)
-            self._launch(s, name, (_cdiv(m1 - m0, tbm) * _cdiv(N - n0, tbn), 1, 1), threads,
-                         m1 - m0, N - n0, K, X + 4 * m0 * ldx, ldx, W + 4 * n0 * ldw, ldw,
+            self._launch(s, name, (_cdiv(m1 - m0, tbm) * _cdiv(n1 - n0, tbn), 1, 1), threads,
+                         m1 - m0, n1 - n0, K, X + 4 * m0 * ldx, ldx, W + 4 * n0 * ldw, ldw,
                          Y + at, ldy, 0, res + at if res else 0, ldy)
 
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
