@@ -790,13 +790,13 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             narrow = [g for g in GEMM_NARROW if N <= g[2]]
             name, bm, bn, threads, per_sm = (GEMM_RES if res else narrow[0] if narrow else
                                              GEMM_WIDE)
-            rects = []  # the small tiles' rectangles
-            if P == 1 and name in GEMM_TAIL and N > bn and 0 < N % bn <= bn * STRIP_MAX:
+            rects, small = [], P == 1 and name in GEMM_TAIL  # the small tiles' rectangles
+            if small and N > bn and 0 < N % bn <= bn * STRIP_MAX:
                 nw = N - N % bn
                 rects.append((0, M, nw, N))
             tiles, wave = _cdiv(M, bm) * _cdiv(nw, bn), per_sm * self.sms
             left = tiles % wave
-            if P == 1 and name in GEMM_TAIL and tiles > wave and left <= TAIL_MAX * wave:
+            if small and tiles > wave and left <= TAIL_MAX * wave:
                 r, c = divmod(tiles - left, _cdiv(nw, bn))  # the tail's first tile
                 rects += [(r * bm, min(M, (r + 1) * bm), c * bn, nw), ((r + 1) * bm, M, 0, nw)] \
                     if c else [(r * bm, M, 0, nw)]

@@ -343,7 +343,8 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
  * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
  * v_j = vrow(j); out(e, v, exp(cs_last)) per four elements (as ssd_fold's out). cs,
- * sc, dec: M3Q floats of shared memory each. The tables are made while the first rows' copy is in flight. */
+ * sc, dec: M3Q floats of shared memory each. The tables are made while the first
+ * rows' copy is in flight. */
 template <int T, class Adt, class Scl, class KR, class VR, class Out>
 MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
