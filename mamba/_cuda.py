@@ -34,8 +34,7 @@ LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
 # gemm.cu's tiled kernels, (kernel, BM, BN, threads, blocks a multiprocessor): the
 # narrow ones take an N they cover in one tile (the first that does), the residual
 # one a call with res; the tail ones (with and without res) the tiles of a wide call
-# past its last whole wave. A wide or tail kernel's twin that reads X's rows normalized
-# (gemm's scale) is named with "_norm" before "_k".
+# past its last whole wave
 GEMM_WIDE = ("mb_gemm_k", 128, 256, 256, 1)
 GEMM_RES = ("mb_gemm_res_k", 128, 256, 256, 1)
 GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96, 2), ("mb_gemm_n160_k", 64, 160, 160, 2))
@@ -69,8 +68,7 @@ THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
 KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemm_tail_k",
-           "mb_gemm_tail_res_k", "mb_gemm_norm_k", "mb_gemm_res_norm_k", "mb_gemm_tail_norm_k",
-           "mb_gemm_tail_res_norm_k", "mb_gemv_k", "mb_dot_fold_k",
+           "mb_gemm_tail_res_k", "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
@@ -698,7 +696,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return P * M * N if P > 1 else 0
 
     def gemm(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts=0, fast=False, res=0, guard=0,
-             conv=None, norm=0, check=None, scale=None):
+             conv=None, norm=0, check=None):
         """Y = X . W^T, plus res (the residual, Y's layout, ld ldy) when given; guard
         (a session's, GEMV paths only) makes a refused step's Y NaN. conv: a one-token
         call's conv step on Y's columns [c0, c0 + C), (c0, C, window, w, bias, u, ldu,
@@ -707,8 +705,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         identical GEMV applies first (only where gemv_norm_smem(M, K) is not 0); X is
         left as it was. check: a session step's check (step_guard's arguments) that
         such a GEMV runs on X, the step's whole input in at most GEMV_MROWS rows.
-        scale: (r, w), X's rows read as RMSNorm's output (x * r[m]) * w[k], r being
-        mb_rms_k's (only where norm_in_tiles(fast, M, N, K)); X is left as it was.
 
         identical: dot v1; K > 8192 runs one grid slice per leaf into `parts`, then
         folds. A few rows (decode) take the GEMV kernel: the same chains, more
@@ -720,7 +716,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             return
         assert not (conv and (res or guard))
         assert not norm or self.norm_in_gemv(fast, M, K)
-        assert not scale or self.norm_in_tiles(fast, M, N, K)
         assert not check or (norm and M <= GEMV_MROWS and check[0] == M * K == M * ldx)
         epi, host = (0,) * 7, 0
         if conv and (M <= FAST_GEMV_MAX_M if fast else M <= GEMV_MAX_M and K <= LEAF):
@@ -744,7 +739,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                          smem=TF32_SMEM)
         else:
             self._gemm_chains(s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm,
-                              host, scale)
+                              host)
         if conv:
             c0, C, window, w, bias, u, ldu, cguard = conv
             self._launch(s, self.kname("conv_step_k", fast),
@@ -780,16 +775,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         ctypes.memmove(ctypes.addressof(out), tm.getPtr(), ctypes.sizeof(out))
         return out
 
-    def norm_in_tiles(self, fast, M, N, K):
-        """Whether the identical tiled GEMM of M x N x K can read its X normalized
-        (gemm's scale): one leaf, M past the GEMV's rows, N wider than a narrow tile."""
-        return (not fast and M > GEMV_MAX_M and K <= LEAF
-                and not any(N <= g[2] for g in GEMM_NARROW))
-
     def _gemm_chains(self, s, M, N, K, X, ldx, W, ldw, Y, ldy, parts, res, guard, epi, norm=0,
-                     host=0, scale=None):
-        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none); norm,
-        scale: as gemm's; host: the check's host words (gemm's check)."""
+                     host=0):
+        """gemm's dot-v1 paths; epi: the GEMV's conv epilogue (zeros: none); norm: as
+        gemm's; host: the check's host words (gemm's check)."""
         P, nw = _cdiv(K, LEAF), N  # nw: the columns of the main launch
         if M <= GEMV_MAX_M:
             name, threads = "mb_gemv_k", GEMV_THREADS
@@ -812,12 +801,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                 rects += [(r * bm, min(M, (r + 1) * bm), c * bn, nw), ((r + 1) * bm, M, 0, nw)] \
                     if c else [(r * bm, M, 0, nw)]
                 tiles -= left
-            scale = scale or (0, 0)
             if rects:
-                self._gemm_tail(s, name, rects, K, X, ldx, W, ldw, Y, ldy, res, scale)
-            if scale[0]:
-                name = name[:-2] + "_norm_k"
-            smem, grid, tail = 0, (tiles, 1, P), (res, ldy, *scale)
+                self._gemm_tail(s, name, rects, K, X, ldx, W, ldw, Y, ldy, res)
+            smem, grid, tail = 0, (tiles, 1, P), (res, ldy)
         if P == 1:
             self._launch(s, name, grid, threads, M, nw, K, X, ldx, W, ldw, Y, ldy, 0, *tail,
                          smem=smem)
@@ -827,26 +813,23 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         self._launch(s, "mb_dot_fold_k", (self._grid(M * N),), THREADS, P, M, N, parts, M * N,
                      Y, ldy, res, ldy, guard)
 
-    def _gemm_tail(self, s, wide, rects, K, X, ldx, W, ldw, Y, ldy, res, scale):
+    def _gemm_tail(self, s, wide, rects, K, X, ldx, W, ldw, Y, ldy, res):
         """Rectangles (m0, m1, n0, n1) of a one-leaf wide call's output as the small
         tiles of GEMM_TAIL[wide]: the tiles past its last whole wave, and a narrow
-        last column of tiles. scale: gemm's, or (0, 0)."""
+        last column of tiles."""
         name, tbm, tbn, threads = GEMM_TAIL[wide]
-        X, W, Y, res, (r, w) = _ptr(X), _ptr(W), _ptr(Y), _ptr(res), map(_ptr, scale)
-        if r:
-            name = name[:-2] + "_norm_k"
+        X, W, Y, res = _ptr(X), _ptr(W), _ptr(Y), _ptr(res)
         for m0, m1, n0, n1 in rects:
             if m1 <= m0 or n1 <= n0:
                 continue
             at = 4 * (m0 * ldy + n0)
             self._launch(s, name, (_cdiv(m1 - m0, tbm) * _cdiv(n1 - n0, tbn), 1, 1), threads,
                          m1 - m0, n1 - n0, K, X + 4 * m0 * ldx, ldx, W + 4 * n0 * ldw, ldw,
-                         Y + at, ldy, 0, res + at if res else 0, ldy, r + 4 * m0 if r else 0, w)
+                         Y + at, ldy, 0, res + at if res else 0, ldy)
 
     def _rmsnorm(self, s, fast, M, n, x, w, out, r, ldx=None):
         """out = RMSNorm rows of x (M, n, rows ldx apart, n by default); r: M floats of
-        scratch (identical), or the output itself where out is 0 (identical: for a
-        GEMM that reads the rows normalized, gemm's scale). The first norm of a session step's capture also runs the
+        scratch (identical). The first norm of a session step's capture also runs the
         step's guard (step_guard), and a prefill's norm of x its input check
         (first_nonfinite_later)."""
         ldx = ldx or n
@@ -859,11 +842,11 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, "mb_fast_rmsnorm_k", (blocks,), threads, M, n, x, ldx, w, out, n,
                          *check, first)
         else:
-            whole = out and self._norm_whole(M, n)
+            whole = self._norm_whole(M, n)
             self._launch(s, "mb_rms_k", (blocks,), threads, M, n, x, ldx, r, w,
-                         out if whole else 0, n, *check, first if whole or not out else 0,
+                         out if whole else 0, n, *check, first if whole else 0,
                          smem=self.norm_smem)
-            if out and not whole:
+            if not whole:
                 self._launch(s, "mb_rms_scale_k", (min(_cdiv(M, SCALE_ROWS), 32 * self.sms),),
                              THREADS, M, n, x, ldx, r, w, out, n, first)
         if ic:
@@ -873,18 +856,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         """A block's RMSNorm of X's M rows of K into xn (r: M floats of scratch), then
         Y = xn . W^T with gemm's conv: in one decode GEMV where it can and xn is not
         to be kept (it is then not written), which also runs a session step's check
-        (step_guard) when it holds the whole step in each block; in the tiled GEMM,
-        which reads X normalized by the norm's r, where it can and xn is not kept."""
+        (step_guard) when it holds the whole step in each block."""
         check = self.step_guard(None)
         fuse = not keep and self.norm_in_gemv(fast, M, K)
         if fuse and check is not None:
             fuse = M <= GEMV_MROWS and check[0] == M * K and _ptr(check[1]) == _ptr(X)
         if not fuse:
             self.step_guard(check)
-            tiles = not keep and self.norm_in_tiles(fast, M, N, K)
-            self._rmsnorm(s, fast, M, K, X, norm_w, 0 if tiles else xn, r)
-            self.gemm(s, M, N, K, X if tiles else xn, K, W, K, Y, N, parts, fast, conv=conv,
-                      scale=(r, norm_w) if tiles else None)
+            self._rmsnorm(s, fast, M, K, X, norm_w, xn, r)
+            self.gemm(s, M, N, K, xn, K, W, K, Y, N, parts, fast, conv=conv)
             return
         self.gemm(s, M, N, K, X, K, W, K, Y, N, parts, fast, conv=conv, norm=norm_w, check=check)
 
@@ -1007,22 +987,17 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         the GEMV's epilogue, a call without padding or guard in the GEMM's (packed and
         padded rows agree there), others in mb_residual_k; xn: M * dm scratch.
         gnorm: (w, r), Mamba-2's gated RMSNorm of yg first: in the identical GEMV
-        where it fits, or read so by the tiled GEMM (yg is then left as it was), else
-        in place (r: M floats)."""
-        norm, scale = 0, None
+        where it fits (yg is then left as it was), else in place (r: M floats)."""
+        norm = 0
         if gnorm is not None:
             if self.norm_in_gemv(fast, M, di):
                 norm = gnorm[0]
-            elif self.norm_in_tiles(fast, M, dm, di):
-                self._rmsnorm(s, fast, M, di, yg, gnorm[0], 0, gnorm[1])
-                scale = (gnorm[1], gnorm[0])
             else:
                 self._rmsnorm(s, fast, M, di, yg, gnorm[0], yg, gnorm[1])
         if (L == 1 and M <= GEMV_MAX_M) or (M == B * L and not guard):
-            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard, norm=norm,
-                      scale=scale)
+            self.gemm(s, M, dm, di, yg, di, out_proj, di, yd, dm, parts, fast, xd, guard, norm=norm)
             return
-        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast, norm=norm, scale=scale)
+        self.gemm(s, M, dm, di, yg, di, out_proj, di, xn, dm, parts, fast, norm=norm)
         self._launch(s, "mb_residual_k", (self._grid(B * L * dm),), THREADS,
                      B, L, dm, off, xd, xn, yd, guard)
 
@@ -1122,9 +1097,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     # ------------------------------------------------------------ test hooks
     def _gemm(self, X, W, M, N, K, fast=False, norm=None, res=None):
         """Y = X . W^T on the device for host X (M, K), W (N, K); a host Y (tests).
-        norm: a host RMSNorm weight (K,) applied to X's rows first, by the GEMV or as
-        the tiled GEMM reads them (gemm's scale), whichever the shape takes; res: a
-        host (M, N) added as the residual."""
+        norm: a host RMSNorm weight (K,) that the GEMV applies to X's rows first; res:
+        a host (M, N) added as the residual."""
         self._enter()
         s = self.stream()
         Y = _core.empty((M, N))
@@ -1133,13 +1107,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             nd = self._on_device(sc, norm) if norm is not None else 0
             rd = self._on_device(sc, res) if res is not None else 0
             parts = sc(self._parts(M, N, K)) if self._parts(M, N, K) else 0
-            scale = None
-            if nd and not self.norm_in_gemv(fast, M, K):
-                scale = (sc(M), nd)
-                self._rmsnorm(s.cu, fast, M, K, xd, nd, 0, scale[0])
-                nd = 0
-            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, res=rd, norm=nd,
-                      scale=scale)
+            self.gemm(s.cu, M, N, K, xd, K, wd, K, yd, N, parts, fast, res=rd, norm=nd)
             self._finish(s, [(Y, yd)])
         return Y
 

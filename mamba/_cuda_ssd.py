@@ -269,15 +269,12 @@ class SsdMixin:
             self._norm_gemm(s, fast, M, dm, xs, norm_w, xn, I["r"], widths[0], in_proj, blocks[0],
                             parts, conv, keep)
             return xd, xn, blocks
-        # the GEMMs read the rows normalized where they all can and xn is not kept
-        tiles = not keep and all(self.norm_in_tiles(fast, M, n, dm) for n in widths)
-        self._rmsnorm(s, fast, M, dm, xs, norm_w, 0 if tiles else xn, I["r"])
+        self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
         blocks, col = [], 0
         for n in widths:
             blocks.append(sc(M * n))
-            self.gemm(s, M, n, dm, xs if tiles else xn, dm, C._ptr(in_proj) + 4 * col * dm, dm,
-                      blocks[-1], n, parts, fast, conv=None if col else conv,
-                      scale=(I["r"], norm_w) if tiles else None)
+            self.gemm(s, M, n, dm, xn, dm, C._ptr(in_proj) + 4 * col * dm, dm, blocks[-1], n, parts,
+                      fast, conv=None if col else conv)
             col += n
         return xd, xn, blocks
 

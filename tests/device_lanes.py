@@ -98,45 +98,33 @@ def gemm_tails(be, monkeypatch):
     """A wide call whose tiles pass its last whole wave by at most half a wave runs
     those tiles as small ones (gemm.cu mb_gemm_tail_k, mb_gemm_tail_res_k) with the
     C reference's bits: a tail that starts inside a tile row and one of whole rows,
-    with and without the residual, each also reading X's rows RMSNormed (the _norm
-    twins, given the norm's r: the C reference's norm, then its GEMM); so do the
-    columns past its last whole tile where they are few. X is left as it was. The
-    shapes follow the backend's wave."""
-    tails, names = [], []
-    real, launch = be._gemm_tail, type(be)._launch
+    with and without the residual; so do the columns past its last whole tile where
+    they are few. The shapes follow the backend's wave."""
+    tails = []
+    real = be._gemm_tail
     monkeypatch.setattr(be, "_gemm_tail", lambda *a: tails.append(a[2]) or real(*a))
-    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
-                        launch(self, s, n, *a, **k))
     wave = be.sms  # one 128 x 256 tile a multiprocessor
 
     def check(M, N, K):
-        X, W, R, nw = rand((M, K), 70), rand((N, K), 71), rand((M, N), 72), rand((K,), 73)
-        xs = raw(X)
-        for norm in (None, nw):
-            xn = X if norm is None else _core._rmsnorm(X, nw, M, K)
-            want = _core._gemm(xn, W, M, N, K)
-            names.clear()
-            assert raw(be._gemm(X, W, M, N, K, norm=norm)) == raw(want), (M, N, K, norm)
-            summed = array.array("f", (r + w for r, w in zip(floats(R), floats(want))))
-            assert raw(be._gemm(X, W, M, N, K, norm=norm, res=R)) == summed.tobytes(), \
-                (M, N, K, norm, "res")
-            assert ("mb_gemm_tail_norm_k" in names and "mb_gemm_tail_res_norm_k" in names) \
-                == (norm is not None), names
-        assert raw(X) == xs
+        X, W, R = rand((M, K), 70), rand((N, K), 71), rand((M, N), 72)
+        want = _core._gemm(X, W, M, N, K)
+        assert raw(be._gemm(X, W, M, N, K)) == raw(want), (M, N, K)
+        summed = array.array("f", (r + w for r, w in zip(floats(R), floats(want))))
+        assert raw(be._gemm(X, W, M, N, K, res=R)) == summed.tobytes(), (M, N, K, "res")
     cols = next(c for c in range(2, wave + 2) if (wave + 1) % c == 0)
     # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start;
     # K: whole k-tiles of the tail kernels (32 terms, rows 16-byte aligned) and a
     # partial one, or a partial one alone
     check(128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 76)
     check(128 * (wave + 1) - 3, 200, 13)
-    assert len(tails) == 8
+    assert len(tails) == 4
     # columns past the last whole 256-wide tile, at most a quarter of one: a strip of
     # small tiles beside the wide ones (with the wave's tail too in the second shape)
     M = 128 * (wave // 3 + 1) - 5
     check(300, 512 + 40, 29)
     check(M, 768 + 64, 33)
-    assert [r[0] for r in tails[8:]] == [(0, 300, 512, 552)] * 4 + [(0, M, 768, 832)] * 4
-    assert all(len(r) > 1 for r in tails[12:])
+    assert [r[0] for r in tails[4:]] == [(0, 300, 512, 552)] * 2 + [(0, M, 768, 832)] * 2
+    assert len(tails[6]) > 1 and len(tails[7]) > 1
 
 
 def m2_head_groups(be):
@@ -259,9 +247,8 @@ def refusals_after_launch(be, name):
 def input_check_in_norm(be, name, mode, monkeypatch):
     """A stateless device prefill searches x for non-finite values in the norm that
     reads it (no search kernel of its own), on each norm path (fast; identical's
-    rows scaled whole or by mb_rms_scale_k, or only their r found for in_proj to
-    read them normalized): the first bad index of several in different rows and
-    blocks is the one named. Where no norm takes the search (a
+    rows scaled whole or by mb_rms_scale_k): the first bad index of several in
+    different rows and blocks is the one named. Where no norm takes the search (a
     prefill of one token may be normed in in_proj's GEMV; here forced), the settle
     runs it. A clean call afterwards gives the bits it gave before (identical: the
     C reference's)."""
@@ -279,31 +266,23 @@ def input_check_in_norm(be, name, mode, monkeypatch):
     monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
                         launch(self, s, n, *a, **k))
     take = be._input_check
-    tiles = type(be).norm_in_tiles.__get__(be)
-    # (where the search runs, rows held whole, in_proj reads the rows normalized: an
-    # identical Mamba-2, whose in_proj alone is wider than a narrow tile here)
-    read = mode == "identical" and name == "mamba2"
-    paths = [("norm", True, False), ("settle", True, read)] + (
-        [("norm", False, False)] if mode == "identical" else []) + (
-        [("norm", True, True)] if read else [])
-    for where, whole, read in paths:
+    paths = [("norm", True)] + ([("norm", False)] if mode == "identical" else []) + [
+        ("settle", True)]
+    for where, whole in paths:
         monkeypatch.setattr(be, "_norm_whole", (lambda M, n: False) if not whole else
                             type(be)._norm_whole.__get__(be))
-        monkeypatch.setattr(be, "norm_in_tiles", tiles if read else lambda *a: False)
         monkeypatch.setattr(be, "_input_check", take if where == "norm" else
                             lambda *a: None)
         names.clear()
         with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {i}$"):
             gpu.forward(be.copy(bad))
-        assert ("mb_first_nonfinite_k" in names) == (where == "settle"), (where, whole, read)
-        if not whole and not read:
+        assert ("mb_first_nonfinite_k" in names) == (where == "settle"), (where, whole)
+        if not whole:
             assert "mb_rms_scale_k" in names
-        assert ("mb_gemm_norm_k" in names) == read, (where, whole, read)
-        assert host(gpu.forward(be.copy(x))) == want, (where, whole, read)
+        assert host(gpu.forward(be.copy(x))) == want, (where, whole)
     one = time_slice(x, 0, 1)
     monkeypatch.setattr(be, "_input_check", take)
     monkeypatch.setattr(be, "_norm_whole", type(be)._norm_whole.__get__(be))
-    monkeypatch.setattr(be, "norm_in_tiles", tiles)
     with pytest.raises(ValueError, match=f"x holds a non-finite value .* flat index {D + 2}$"):
         gpu.forward(be.copy(poisoned(one, D + 2)))
     assert host(gpu.forward(be.copy(one))) == host(gpu.forward(be.copy(one)))

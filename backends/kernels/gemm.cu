@@ -29,13 +29,11 @@
  * backwards), so consecutive fmas share an operand register (7% faster on the H200
  * than row by row). RES: Y = res + chain, as mb_residual_k would add the residual
  * (uniform rows: res has Y's layout, ld ldr); a compile-time choice, since a runtime
- * one changed the main loop's register allocation and cost 6% on the H200. NORM: X's
- * rows are read as RMSNorm's output (x * sr[m]) * sw[k], rounded as rmsnorm.cu writes
- * it, sr being mb_rms_k's r of each row (one leaf): the norm then writes no rows. */
-template <int BM, int BN, int WM, int WN, int TM, int TN, int BK, bool RES, bool NORM>
+ * one changed the main loop's register allocation and cost 6% on the H200. */
+template <int BM, int BN, int WM, int WN, int TM, int TN, int BK, bool RES>
 MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx,
                        const float *W, int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf,
-                       const float *res, int64_t ldr, const float *sr, const float *sw)
+                       const float *res, int64_t ldr)
 {
     constexpr int THREADS = 32 * (BM / WM) * (BN / WN), LY = WM / TM, LX = WN / TN;
     static_assert(LY * LX == 32, "a warp is 32 lanes");
@@ -50,8 +48,7 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     const int64_t k0 = (int64_t)blockIdx.z * MB_DOT_LEAF;
     const int kl = (int)(K - k0 < MB_DOT_LEAF ? K - k0 : MB_DOT_LEAF); /* this leaf's terms */
     Y += (int64_t)blockIdx.z * ldleaf;
-    const bool vec = ((ldx | ldw) & 3) == 0 &&
-                     (((uintptr_t)X | (uintptr_t)W | (NORM ? (uintptr_t)sw : 0)) & 15) == 0;
+    const bool vec = ((ldx | ldw) & 3) == 0 && (((uintptr_t)X | (uintptr_t)W) & 15) == 0;
 
     /* a thread's float4 slots of one operand's tile: rows, k offsets, row pointers
      * (a slot past the tile, when the threads do not divide it, loads nothing) */
@@ -74,10 +71,6 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     slots sa[QA], sb[QB];
     place(sa, QA, FA, X, ldx, m0, M);
     place(sb, QB, FB, W, ldw, n0, N);
-    float ra[NORM ? QA : 1]; /* NORM: the r of each slot's row */
-    if (NORM)
-#pragma unroll
-        for (int q = 0; q < QA; q++) ra[q] = sr[m0 + sa[q].r < M ? m0 + sa[q].r : 0];
     float4 pa[QA], pb[QB];
     auto load = [&](int kt) {
         /* the first `left` of four terms (terms past K are loaded as +0, never used) */
@@ -92,31 +85,14 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
         if (vec && kt + BK <= kl) {
 #pragma unroll
             for (int q = 0; q < QA; q++)
-                if (sa[q].on) {
-                    pa[q] = *(const float4 *)(sa[q].p + kt);
-                    if (NORM) {
-                        const float4 w = *(const float4 *)(sw + k0 + kt + sa[q].c);
-                        pa[q].x = (pa[q].x * ra[q]) * w.x, pa[q].y = (pa[q].y * ra[q]) * w.y;
-                        pa[q].z = (pa[q].z * ra[q]) * w.z, pa[q].w = (pa[q].w * ra[q]) * w.w;
-                    }
-                }
+                if (sa[q].on) pa[q] = *(const float4 *)(sa[q].p + kt);
 #pragma unroll
             for (int q = 0; q < QB; q++)
                 if (sb[q].on) pb[q] = *(const float4 *)(sb[q].p + kt);
         } else {
 #pragma unroll
             for (int q = 0; q < QA; q++)
-                if (sa[q].on) {
-                    const int left = kl - kt - sa[q].c;
-                    pa[q] = part(sa[q].p + kt, left);
-                    if (NORM) {
-                        const float *w = sw + k0 + kt + sa[q].c;
-                        if (left > 0) pa[q].x = (pa[q].x * ra[q]) * w[0];
-                        if (left > 1) pa[q].y = (pa[q].y * ra[q]) * w[1];
-                        if (left > 2) pa[q].z = (pa[q].z * ra[q]) * w[2];
-                        if (left > 3) pa[q].w = (pa[q].w * ra[q]) * w[3];
-                    }
-                }
+                if (sa[q].on) pa[q] = part(sa[q].p + kt, kl - kt - sa[q].c);
 #pragma unroll
             for (int q = 0; q < QB; q++)
                 if (sb[q].on) pb[q] = part(sb[q].p + kt, kl - kt - sb[q].c);
@@ -225,38 +201,33 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
 
 /* A kernel of one tile shape (gemm_tiles' parameters), at `blocks` blocks a
  * multiprocessor */
-#define MB_GEMM_KERNEL(name, blocks, BM, BN, WM, WN, TM, TN, BK, RES, NORM)           \
+#define MB_GEMM_KERNEL(name, blocks, BM, BN, WM, WN, TM, TN, BK, RES)                 \
     MB_KERNEL void MB_BOUNDS_MIN(32 * (BM / WM) * (BN / WN), blocks)                  \
     name(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const float *W,   \
-         int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr, \
-         const float *sr, const float *sw)                                            \
+         int64_t ldw, float *Y, int64_t ldy, int64_t ldleaf, const float *res, int64_t ldr) \
     {                                                                                 \
-        gemm_tiles<BM, BN, WM, WN, TM, TN, BK, RES, NORM>(M, N, K, X, ldx, W, ldw, Y, ldy,  \
-                                                     ldleaf, res, ldr, sr, sw);       \
+        gemm_tiles<BM, BN, WM, WN, TM, TN, BK, RES>(M, N, K, X, ldx, W, ldw, Y, ldy, ldleaf, res, \
+                                               ldr);                                  \
     }
 
 /* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes, without and
- * with the residual res (a uniform out_proj), each also reading X's rows normalized */
-MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, 8, false, false)
-MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, 8, true, false)
-MB_GEMM_KERNEL(mb_gemm_norm_k, 1, 128, 256, 64, 64, 16, 8, 8, false, true)
-MB_GEMM_KERNEL(mb_gemm_res_norm_k, 1, 128, 256, 64, 64, 16, 8, 8, true, true)
+ * with the residual res (a uniform out_proj) */
+MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, 8, true)
 
 /* Narrow N, one tile across (res unused), so that no block walks 256 columns for
  * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
  * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32 (on the H200 32 x 32 at
  * four blocks a multiprocessor was slower) */
-MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, 8, false, false)
-MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false, false)
+MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false)
 
 /* The tiles left after the last whole wave of a wide call, on 32 x 64 tiles of two
  * warps: a small tail of 128 x 256 tiles would keep all but a few multiprocessors
  * idle for a whole tile's time (_cuda.py gemm). 32 terms a k-tile: with two warps a
  * multiprocessor, 8 terms of fmas did not cover the next tile's loads. */
-MB_GEMM_KERNEL(mb_gemm_tail_k, 4, 32, 64, 32, 32, 4, 8, 32, false, false)
-MB_GEMM_KERNEL(mb_gemm_tail_res_k, 4, 32, 64, 32, 32, 4, 8, 32, true, false)
-MB_GEMM_KERNEL(mb_gemm_tail_norm_k, 4, 32, 64, 32, 32, 4, 8, 32, false, true)
-MB_GEMM_KERNEL(mb_gemm_tail_res_norm_k, 4, 32, 64, 32, 32, 4, 8, 32, true, true)
+MB_GEMM_KERNEL(mb_gemm_tail_k, 4, 32, 64, 32, 32, 4, 8, 32, false)
+MB_GEMM_KERNEL(mb_gemm_tail_res_k, 4, 32, 64, 32, 32, 4, 8, 32, true)
 #undef MB_GEMM_KERNEL
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X

@@ -38,12 +38,10 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
     __syncthreads();
 }
 
-/* rows [m0, m0 + rows) through the ring; TREE: n spans several leaves. bad: the input
- * check, which looks at a row only where its sum of squares is not finite (a
- * non-finite element always makes it so) */
+/* rows [m0, m0 + rows) through the ring; TREE: n spans several leaves */
 template <bool TREE>
 MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
-                     float *ring, float *r, unsigned long long *bad)
+                     float *ring, float *r)
 {
     const int tid = threadIdx.x;
     const int chunks = (int)((n + RN_KC - 1) / RN_KC);
@@ -85,9 +83,6 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
             acc = mb_dot_tree_sum(&tree);
         }
         r[m0 + tid] = mb_rms_r(acc, n);
-        if (bad && mb_nonfinite(acc))
-            for (int64_t j = 0; j < n; j++)
-                mb_note_nonfinite(xb[tid * ldx + j], (m0 + tid) * ldx + j, bad);
     }
     __syncthreads();
 }
@@ -97,9 +92,8 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
  * _norm_whole); they are then scaled here, else r alone is written. g: a decode
  * session's guard word, given to a one-block launch, which first checks the step's
  * input (cn words at cx; finite.cu mb_guard_step). first: a prefill's input check
- * (finite.cu mb_first_nonfinite_k's answer), run where x is scaled (here or in
- * mb_rms_scale_k) or, where nothing is (the rows are normalized as a GEMM reads
- * them: out and w 0), here as r is found */
+ * (finite.cu mb_first_nonfinite_k's answer), run where x is scaled: here or in
+ * mb_rms_scale_k */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
          int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
@@ -117,9 +111,9 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
         if (out)
             rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo, first ? &bad : nullptr);
         else if (n > MB_DOT_LEAF)
-            rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r, first ? &bad : nullptr);
+            rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
         else
-            rms_ring<false>(m0, rows, n, xb, ldx, vec, ring, r, first ? &bad : nullptr);
+            rms_ring<false>(m0, rows, n, xb, ldx, vec, ring, r);
     }
     mb_report_nonfinite(first, bad);
 }
