@@ -131,67 +131,96 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
     *(float2 *)(ko + 2 * M3A + 2 * r) = make_float2(ku.x + kbu.x, ku.y + kbu.y);
 }
 
-#define M3_AHEAD 16 /* tokens a batch: a batch's inputs load while the one before is walked */
+#define M3_ANG_NB 64 /* tokens a batch */
+#define M3_ANG_THREADS 128
+#define M3_ANG_HELP0 MB_WARP /* the helpers' first thread: a warp after the walkers' */
+#define M3_ANG_NH (M3_ANG_THREADS - M3_ANG_HELP0)
 
-/* One thread per (row, head, angle): the angle recurrence alone (the only serial
- * part of the rotation), each token's angle parked in q's slot 2r, which
- * mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the row's
- * last token; theta_last (optional) receives the same. A lone warp walks each chain
- * (B H M3A threads in all), so every instruction of a step waits on the one before:
- * the pointers advance by a batch and whole batches go unpredicated, leaving a step
- * little beyond its chain (the tail batch takes the checks). */
-MB_KERNEL void mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
-                              const int64_t *t0, const float *TA, const float *DT, float *theta,
-                              float *Q, float *theta_last)
+/* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone
+ * (the only serial part of the rotation), each token's angle parked in q's slot 2r,
+ * which mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the
+ * row's last token; theta_last (optional) receives the same. Thread r < M3A walks
+ * angle r's chain and nothing else, so a step is the chain's arithmetic with one
+ * shared load and store: the helpers (threads from M3_ANG_HELP0, a warp of their own)
+ * form each batch's products ta * dt in shared memory a batch ahead and store the
+ * walked angles to Q a batch behind, one barrier a batch. */
+MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
+mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
+               const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
 {
+    __shared__ float inc[2][M3_ANG_NB][M3A], ang[2][M3_ANG_NB][M3A];
     MB_GRID_WAIT();
-    MB_GRID_LOOP(i, B * H * M3A) {
-        const int64_t b = i / (H * M3A), h = (i / M3A) % H, r = i % M3A;
-        const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b], sq = H * SSD_NS;
-        const float *ta = TA + o * M3A + r, *dt = DT + e0 * H + h;
-        float *q = Q + (e0 * H + h) * SSD_NS + 2 * r;
-        float th = theta[i];
-        /* tokens [t, t + M3_AHEAD) of the pointers' batch, those below n */
-        auto load = [&](float (&a)[M3_AHEAD], float (&d)[M3_AHEAD], int64_t n) {
+    const int64_t b = blockIdx.x / H, h = blockIdx.x % H, o = off[b], T = off[b + 1] - o;
+    const int64_t e0 = eoff[b] + t0[b], nb = (T + M3_ANG_NB - 1) / M3_ANG_NB;
+    const int tid = threadIdx.x, hl = tid - M3_ANG_HELP0;
+    constexpr int PER = (M3_ANG_NB * M3A + M3_ANG_NH - 1) / M3_ANG_NH;
+    /* helper hl's cells k = hl + j NH of batch n: token n NB + k / M3A, angle k % M3A */
+    auto cells = [&](int64_t n) {
+        const int64_t left = T - n * M3_ANG_NB;
+        return (int)(left < M3_ANG_NB ? left : M3_ANG_NB) * M3A;
+    };
+    auto fill = [&](int64_t n) { /* every load before any store */
+        const int64_t t = n * M3_ANG_NB;
+        const int cnt = cells(n);
+        float v[PER];
 #pragma unroll
-            for (int u = 0; u < M3_AHEAD; u++) {
-                a[u] = u < n ? ta[u * M3A] : 0.0f;
-                d[u] = u < n ? dt[u * H] : 0.0f;
-            }
-            ta += M3A * M3_AHEAD;
-            dt += H * M3_AHEAD;
-        };
-        auto walk = [&](const float (&a)[M3_AHEAD], const float (&d)[M3_AHEAD], int64_t n) {
+        for (int j = 0; j < PER; j++) {
+            const int k = hl + j * M3_ANG_NH;
+            const int64_t tok = t + k / M3A;
+            v[j] = k < cnt ? TA[(o + tok) * M3A + k % M3A] * DT[(e0 + tok) * H + h] : 0.0f;
+        }
 #pragma unroll
-            for (int u = 0; u < M3_AHEAD; u++) {
-                if (u < n) {
-                    th = m3_angle(th, a[u], d[u]);
-                    q[u * sq] = th;
+        for (int j = 0; j < PER; j++) {
+            const int k = hl + j * M3_ANG_NH;
+            if (k < cnt) inc[n & 1][k / M3A][k % M3A] = v[j];
+        }
+    };
+    auto flush = [&](int64_t n) {
+        const int64_t t = n * M3_ANG_NB;
+        const int cnt = cells(n);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int k = hl + j * M3_ANG_NH;
+            if (k < cnt)
+                Q[((e0 + t + k / M3A) * H + h) * SSD_NS + 2 * (k % M3A)] = ang[n & 1][k / M3A][k % M3A];
+        }
+    };
+    const int64_t i = (int64_t)blockIdx.x * M3A + tid;
+    float th = tid < M3A ? theta[i] : 0.0f;
+    if (hl >= 0 && nb > 0) fill(0);
+    __syncthreads();
+    for (int64_t n = 0; n < nb; n++) {
+        if (tid < M3A) { /* m3_angle, its product formed by the helpers */
+            const float(*a)[M3A] = inc[n & 1];
+            float(*g)[M3A] = ang[n & 1];
+            const int64_t left = T - n * M3_ANG_NB;
+            if (left >= M3_ANG_NB) {
+#pragma unroll
+                for (int u = 0; u < M3_ANG_NB; u++) {
+                    th = mb_mod2pi(th + a[u][tid]);
+                    g[u][tid] = th;
+                }
+            } else {
+                for (int u = 0; u < left; u++) {
+                    th = mb_mod2pi(th + a[u][tid]);
+                    g[u][tid] = th;
                 }
             }
-            q += sq * M3_AHEAD;
-        };
-        float ta0[M3_AHEAD], dt0[M3_AHEAD], ta1[M3_AHEAD], dt1[M3_AHEAD];
-        const int64_t whole = T / (2 * M3_AHEAD) * (2 * M3_AHEAD); /* tokens in whole pairs */
-        load(ta0, dt0, T < M3_AHEAD ? T : M3_AHEAD);
-        for (int64_t t = 0; t < whole; t += 2 * M3_AHEAD) { /* unpredicated */
-            load(ta1, dt1, M3_AHEAD);
-            walk(ta0, dt0, M3_AHEAD);
-            const int64_t next = T - (t + 2 * M3_AHEAD);
-            load(ta0, dt0, next < M3_AHEAD ? next : M3_AHEAD);
-            walk(ta1, dt1, M3_AHEAD);
+        } else if (hl >= 0) {
+            if (n + 1 < nb) fill(n + 1);
+            if (n > 0) flush(n - 1);
         }
-        if (whole < T) { /* ta0 holds tokens whole.., fewer than 2 M3_AHEAD remain */
-            const int64_t left = T - whole;
-            load(ta1, dt1, left - M3_AHEAD);
-            walk(ta0, dt0, left);
-            walk(ta1, dt1, left - M3_AHEAD);
-        }
+        __syncthreads();
+    }
+    if (hl >= 0 && nb > 0) flush(nb - 1);
+    if (tid < M3A) {
         theta[i] = th;
         if (theta_last) theta_last[i] = th;
     }
 }
-#undef M3_AHEAD
+#undef M3_ANG_NB
+#undef M3_ANG_NH
+#undef M3_ANG_HELP0
 
 /* One thread per (new token, head, angle): m3_rotate_token at the angle that
  * mb_m3_angles_k parked. Grid (x over the row's tokens * H * M3A, y over rows). */

@@ -14,6 +14,12 @@
 #define MB_BOUNDS(threads) __launch_bounds__(threads)
 #define MB_BOUNDS_MIN(threads, blocks) __launch_bounds__(threads, blocks)
 #define MB_DEV static __device__ __forceinline__
+/* threads a warp at most (AMD's CDNA runs wavefronts of 64) */
+#if defined(__HIPCC__)
+#define MB_WARP 64
+#else
+#define MB_WARP 32
+#endif
 
 /* v from lane src of each aligned group of width lanes (every lane must take part). */
 #if defined(__HIPCC__)
