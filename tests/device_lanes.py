@@ -99,10 +99,12 @@ def gemm_tails(be, monkeypatch):
     those tiles as small ones (gemm.cu mb_gemm_tail_k, mb_gemm_tail_res_k) with the
     C reference's bits: a tail that starts inside a tile row and one of whole rows,
     with and without the residual; so do the columns past its last whole tile where
-    they are few. The shapes follow the backend's wave."""
-    tails = []
+    they are few, and where they fill at most half a tile (without the residual), as
+    128 x 128 tiles (mb_gemm_half_k). The shapes follow the backend's wave."""
+    tails, halves = [], []
     real = be._gemm_tail
-    monkeypatch.setattr(be, "_gemm_tail", lambda *a: tails.append(a[2]) or real(*a))
+    monkeypatch.setattr(be, "_gemm_tail", lambda *a: (
+        halves if a[1][0] == "mb_gemm_half_k" else tails).append(a[2]) or real(*a))
     wave = be.sms  # one 128 x 256 tile a multiprocessor
 
     def check(M, N, K):
@@ -125,6 +127,13 @@ def gemm_tails(be, monkeypatch):
     check(M, 768 + 64, 33)
     assert [r[0] for r in tails[4:]] == [(0, 300, 512, 552)] * 2 + [(0, M, 768, 832)] * 2
     assert len(tails[6]) > 1 and len(tails[7]) > 1
+    assert not halves
+    # more than a quarter, at most half: 128 x 128 tiles (the residual's call keeps
+    # the wide ones); past half, the wide tiles alone
+    check(300, 512 + 65, 40)
+    check(200, 256 + 128, 9)
+    check(200, 256 + 129, 9)
+    assert halves == [[(0, 300, 512, 577)], [(0, 200, 256, 384)]]
 
 
 def m2_head_groups(be):

@@ -215,6 +215,11 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
 MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, 8, false)
 MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, 8, true)
 
+/* 128 x 128 tiles of 8 warps of 64 x 32, two blocks a multiprocessor: the last
+ * column of a wide call's tiles where it is at most half full (_cuda.py gemm), which a
+ * 256-wide tile would compute twice over */
+MB_GEMM_KERNEL(mb_gemm_half_k, 2, 128, 128, 64, 32, 8, 8, 8, false)
+
 /* Narrow N, one tile across (res unused), so that no block walks 256 columns for
  * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
  * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32 (on the H200 32 x 32 at
