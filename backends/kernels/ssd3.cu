@@ -159,30 +159,37 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
         const int64_t left = T - n * M3_ANG_NB;
         return (int)(left < M3_ANG_NB ? left : M3_ANG_NB) * M3A;
     };
-    auto fill = [&](int64_t n) { /* every load before any store */
+    /* every load of a batch before any use of one: each waits on the memory only once
+     * (a cell past the batch loads the batch's first and is not stored) */
+    auto fill = [&](int64_t n) {
         const int64_t t = n * M3_ANG_NB;
         const int cnt = cells(n);
-        float v[PER];
+        float a[PER], d[PER];
 #pragma unroll
         for (int j = 0; j < PER; j++) {
-            const int k = hl + j * M3_ANG_NH;
-            const int64_t tok = t + k / M3A;
-            v[j] = k < cnt ? TA[(o + tok) * M3A + k % M3A] * DT[(e0 + tok) * H + h] : 0.0f;
+            const int k = hl + j * M3_ANG_NH < cnt ? hl + j * M3_ANG_NH : 0;
+            a[j] = TA[(o + t + k / M3A) * M3A + k % M3A];
+            d[j] = DT[(e0 + t + k / M3A) * H + h];
         }
 #pragma unroll
         for (int j = 0; j < PER; j++) {
             const int k = hl + j * M3_ANG_NH;
-            if (k < cnt) inc[n & 1][k / M3A][k % M3A] = v[j];
+            if (k < cnt) inc[n & 1][k / M3A][k % M3A] = a[j] * d[j];
         }
     };
     auto flush = [&](int64_t n) {
         const int64_t t = n * M3_ANG_NB;
         const int cnt = cells(n);
+        float v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int k = hl + j * M3_ANG_NH < cnt ? hl + j * M3_ANG_NH : 0;
+            v[j] = ang[n & 1][k / M3A][k % M3A];
+        }
 #pragma unroll
         for (int j = 0; j < PER; j++) {
             const int k = hl + j * M3_ANG_NH;
-            if (k < cnt)
-                Q[((e0 + t + k / M3A) * H + h) * SSD_NS + 2 * (k % M3A)] = ang[n & 1][k / M3A][k % M3A];
+            if (k < cnt) Q[((e0 + t + k / M3A) * H + h) * SSD_NS + 2 * (k % M3A)] = v[j];
         }
     };
     const int64_t i = (int64_t)blockIdx.x * M3A + tid;
@@ -194,10 +201,14 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
             const float(*a)[M3A] = inc[n & 1];
             float(*g)[M3A] = ang[n & 1];
             const int64_t left = T - n * M3_ANG_NB;
-            if (left >= M3_ANG_NB) {
+            if (left >= M3_ANG_NB) { /* the batch's loads first: the compiler cannot
+                                        * move one past a store to another array */
+                float v[M3_ANG_NB];
+#pragma unroll
+                for (int u = 0; u < M3_ANG_NB; u++) v[u] = a[u][tid];
 #pragma unroll
                 for (int u = 0; u < M3_ANG_NB; u++) {
-                    th = mb_mod2pi(th + a[u][tid]);
+                    th = mb_mod2pi(th + v[u]);
                     g[u][tid] = th;
                 }
             } else {
