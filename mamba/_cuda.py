@@ -40,6 +40,8 @@ GEMM_RES = ("mb_gemm_res_k", 128, 256, 256, 1)
 GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96, 2), ("mb_gemm_n160_k", 64, 160, 160, 2))
 GEMM_TAIL = {"mb_gemm_k": ("mb_gemm_tail_k", 32, 64, 64),
              "mb_gemm_res_k": ("mb_gemm_tail_res_k", 32, 64, 64)}
+GEMM_STRIP = {"mb_gemm_k": ("mb_gemm_strip_k", 64, 32, 32),
+              "mb_gemm_res_k": ("mb_gemm_strip_res_k", 64, 32, 32)}
 # mb_gemm_k's last column of tiles where it is at most half full and more than a strip
 GEMM_HALF = ("mb_gemm_half_k", 128, 128, 256)
 TAIL_MAX = 0.5  # the tail kernels take a remainder of at most this much of a wave
@@ -70,7 +72,8 @@ THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
 KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemm_half_k",
-           "mb_gemm_tail_k", "mb_gemm_tail_res_k", "mb_gemv_k", "mb_dot_fold_k",
+           "mb_gemm_tail_k", "mb_gemm_tail_res_k", "mb_gemm_strip_k", "mb_gemm_strip_res_k",
+           "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
            "mb_scan1_k", "mb_residual_k", "mb_pack_rows_k", "mb_first_nonfinite_k",
            "mb_step_guard_k", "mb_gather_k",
@@ -795,7 +798,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             rects, small = [], P == 1 and name in GEMM_TAIL  # the small tiles' rectangles
             if small and N > bn and 0 < N % bn <= bn * STRIP_MAX:
                 nw = N - N % bn
-                rects.append((0, M, nw, N))
+                self._gemm_tail(s, GEMM_STRIP[name], [(0, M, nw, N)], K, X, ldx, W, ldw, Y, ldy,
+                                res)
             elif small and name == GEMM_WIDE[0] and N > bn and 0 < N % bn <= bn // 2:
                 nw = N - N % bn
                 self._gemm_tail(s, GEMM_HALF, [(0, M, nw, N)], K, X, ldx, W, ldw, Y, ldy, 0)
@@ -820,8 +824,8 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
 
     def _gemm_tail(self, s, kernel, rects, K, X, ldx, W, ldw, Y, ldy, res):
         """Rectangles (m0, m1, n0, n1) of a one-leaf wide call's output in the smaller
-        tiles of kernel (GEMM_TAIL's: the tiles past its last whole wave, and a narrow
-        last column of tiles; GEMM_HALF: a last column at most half full)."""
+        tiles of kernel (GEMM_TAIL's: the tiles past its last whole wave; GEMM_STRIP's:
+        a narrow last column of tiles; GEMM_HALF: a last column at most half full)."""
         name, tbm, tbn, threads = kernel
         X, W, Y, res = _ptr(X), _ptr(W), _ptr(Y), _ptr(res)
         for m0, m1, n0, n1 in rects:

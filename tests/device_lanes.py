@@ -98,42 +98,45 @@ def gemm_tails(be, monkeypatch):
     """A wide call whose tiles pass its last whole wave by at most half a wave runs
     those tiles as small ones (gemm.cu mb_gemm_tail_k, mb_gemm_tail_res_k) with the
     C reference's bits: a tail that starts inside a tile row and one of whole rows,
-    with and without the residual; so do the columns past its last whole tile where
-    they are few, and where they fill at most half a tile (without the residual), as
-    128 x 128 tiles (mb_gemm_half_k). The shapes follow the backend's wave."""
-    tails, halves = [], []
+    with and without the residual; so do the columns past its last whole tile, as a
+    strip of 64 x 32 tiles where they are few (mb_gemm_strip_k, mb_gemm_strip_res_k)
+    and as 128 x 128 tiles where they fill at most half a tile (mb_gemm_half_k,
+    without the residual). The shapes follow the backend's wave."""
+    calls = []  # (kernel, rectangles) of each _gemm_tail
     real = be._gemm_tail
-    monkeypatch.setattr(be, "_gemm_tail", lambda *a: (
-        halves if a[1][0] == "mb_gemm_half_k" else tails).append(a[2]) or real(*a))
+    monkeypatch.setattr(be, "_gemm_tail", lambda *a: calls.append((a[1][0], a[2])) or real(*a))
     wave = be.sms  # one 128 x 256 tile a multiprocessor
 
     def check(M, N, K):
+        del calls[:]
         X, W, R = rand((M, K), 70), rand((N, K), 71), rand((M, N), 72)
         want = _core._gemm(X, W, M, N, K)
         assert raw(be._gemm(X, W, M, N, K)) == raw(want), (M, N, K)
         summed = array.array("f", (r + w for r, w in zip(floats(R), floats(want))))
         assert raw(be._gemm(X, W, M, N, K, res=R)) == summed.tobytes(), (M, N, K, "res")
+        return {k: r for k, r in calls}
     cols = next(c for c in range(2, wave + 2) if (wave + 1) % c == 0)
     # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start;
     # K: whole k-tiles of the tail kernels (32 terms, rows 16-byte aligned) and a
     # partial one, or a partial one alone
-    check(128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 76)
-    check(128 * (wave + 1) - 3, 200, 13)
-    assert len(tails) == 4
-    # columns past the last whole 256-wide tile, at most a quarter of one: a strip of
-    # small tiles beside the wide ones (with the wave's tail too in the second shape)
+    for shape in ((128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 76), (128 * (wave + 1) - 3, 200, 13)):
+        assert set(check(*shape)) == {"mb_gemm_tail_k", "mb_gemm_tail_res_k"}, shape
+    # columns past the last whole 256-wide tile, at most a quarter of one: a strip
+    # beside the wide ones (with the wave's tail too in the second shape)
     M = 128 * (wave // 3 + 1) - 5
-    check(300, 512 + 40, 29)
-    check(M, 768 + 64, 33)
-    assert [r[0] for r in tails[4:]] == [(0, 300, 512, 552)] * 2 + [(0, M, 768, 832)] * 2
-    assert len(tails[6]) > 1 and len(tails[7]) > 1
-    assert not halves
+    got = check(300, 512 + 40, 29)
+    assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, 300, 512, 552)]
+    got = check(M, 768 + 64, 33)
+    assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, M, 768, 832)]
+    assert len(got["mb_gemm_tail_k"]) > 1 and len(got["mb_gemm_tail_res_k"]) > 1
     # more than a quarter, at most half: 128 x 128 tiles (the residual's call keeps
     # the wide ones); past half, the wide tiles alone
-    check(300, 512 + 65, 40)
-    check(200, 256 + 128, 9)
-    check(200, 256 + 129, 9)
-    assert halves == [[(0, 300, 512, 577)], [(0, 200, 256, 384)]]
+    strips = {"mb_gemm_strip_k", "mb_gemm_strip_res_k"}
+    for (M, N, K), half in (((300, 512 + 65, 40), [(0, 300, 512, 577)]),
+                            ((200, 256 + 128, 9), [(0, 200, 256, 384)]),
+                            ((200, 256 + 129, 9), None)):
+        got = check(M, N, K)
+        assert got.get("mb_gemm_half_k") == half and not strips & set(got), (M, N, K)
 
 
 def m2_head_groups(be):

@@ -233,6 +233,13 @@ MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false)
  * multiprocessor, 8 terms of fmas did not cover the next tile's loads. */
 MB_GEMM_KERNEL(mb_gemm_tail_k, 4, 32, 64, 32, 32, 4, 8, 32, false)
 MB_GEMM_KERNEL(mb_gemm_tail_res_k, 4, 32, 64, 32, 32, 4, 8, 32, true)
+
+/* The columns past a wide call's last whole tile where they are few (a strip, e.g.
+ * Mamba-2's in_proj's d_model / 32 dt columns): 64 x 32 tiles of one warp, 8 x 8
+ * outputs a thread, so a 32-wide strip computes no column twice; 16 terms a k-tile
+ * (32 spill) */
+MB_GEMM_KERNEL(mb_gemm_strip_k, 4, 64, 32, 64, 32, 8, 8, 16, false)
+MB_GEMM_KERNEL(mb_gemm_strip_res_k, 4, 64, 32, 64, 32, 8, 8, 16, true)
 #undef MB_GEMM_KERNEL
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X
