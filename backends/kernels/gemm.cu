@@ -72,6 +72,14 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
     place(sa, QA, FA, X, ldx, m0, M);
     place(sb, QB, FB, W, ldw, n0, N);
     float4 pa[QA], pb[QB];
+    auto load4 = [&](int kt) { /* a whole tile of float4 (vec) */
+#pragma unroll
+        for (int q = 0; q < QA; q++)
+            if (sa[q].on) pa[q] = *(const float4 *)(sa[q].p + kt);
+#pragma unroll
+        for (int q = 0; q < QB; q++)
+            if (sb[q].on) pb[q] = *(const float4 *)(sb[q].p + kt);
+    };
     auto load = [&](int kt) {
         /* the first `left` of four terms (terms past K are loaded as +0, never used) */
         auto part = [](const float *s, int left) {
@@ -83,12 +91,7 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
             return v;
         };
         if (vec && kt + BK <= kl) {
-#pragma unroll
-            for (int q = 0; q < QA; q++)
-                if (sa[q].on) pa[q] = *(const float4 *)(sa[q].p + kt);
-#pragma unroll
-            for (int q = 0; q < QB; q++)
-                if (sb[q].on) pb[q] = *(const float4 *)(sb[q].p + kt);
+            load4(kt);
         } else {
 #pragma unroll
             for (int q = 0; q < QA; q++)
@@ -143,29 +146,42 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
             }
     };
 
-    const int tiles = (kl + BK - 1) / BK;
+    /* one k-tile: the fmas of its BK terms, the next tile (loaded by the caller)
+     * stored and its first fragments read before the last term's fmas */
+    auto walk = [&](int buf, bool more) {
+#pragma unroll
+        for (int kk = 0; kk < BK; kk++) {
+            if (kk == BK - 1) {
+                if (more) {
+                    store(buf ^ 1);
+                    __syncthreads();
+                    frag((kk + 1) & 1, buf ^ 1, 0);
+                }
+            } else {
+                frag((kk + 1) & 1, buf, kk + 1);
+            }
+            step(kk & 1);
+        }
+    };
+    const int tiles = (kl + BK - 1) / BK, wt = kl / BK; /* tiles, whole tiles */
     load(0);
     store(0);
     __syncthreads();
     frag(0, 0, 0);
-    for (int t = 0; t < tiles; t++) {
+    int t = 0;
+    /* whole tiles followed by a whole tile: no branch between the barrier's
+     * fragment reads and the last term's fmas, which then cover their latency */
+    if (vec)
+        for (; t + 1 < wt; t++) {
+            load4((t + 1) * BK);
+            walk(t & 1, true);
+        }
+    for (; t < tiles; t++) {
         const int buf = t & 1, kt = t * BK;
         const bool more = t + 1 < tiles;
         if (more) load(kt + BK);
         if (kt + BK <= kl) {
-#pragma unroll
-            for (int kk = 0; kk < BK; kk++) {
-                if (kk == BK - 1) {
-                    if (more) {
-                        store(buf ^ 1);
-                        __syncthreads();
-                        frag((kk + 1) & 1, buf ^ 1, 0);
-                    }
-                } else {
-                    frag((kk + 1) & 1, buf, kk + 1);
-                }
-                step(kk & 1);
-            }
+            walk(buf, more);
         } else { /* the leaf's last, partial tile */
             for (int kk = 0; kk < kl - kt; kk++) {
                 frag(0, buf, kk);
