@@ -51,6 +51,7 @@ GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
 STAGE_K = 128                                      # rmsnorm.cu: RN_KC
 NORM_ROWS, NORM_THREADS = 32, 128                  # rmsnorm.cu: RN_ROWS, RN_THREADS
+NORM_WHOLE_MIN = 4                                 # _norm_whole's fewest rows a block
 SCALE_ROWS = 8                                     # rmsnorm.cu: RS_ROWS of mb_rms_scale_k
 GUARD_THREADS = 1024                               # finite.cu mb_step_guard_k: one block
 GUARD_LOADS = 8                                    # finite.cu: loads in flight a thread
@@ -842,8 +843,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         step's guard (step_guard), and a prefill's norm of x its input check
         (first_nonfinite_later)."""
         ldx = ldx or n
-        blocks, threads = ((min(_cdiv(M, FAST_NORM_ROWS), 8 * self.sms), FAST_THREADS)
-                           if fast else (min(_cdiv(M, NORM_ROWS), 16 * self.sms), NORM_THREADS))
+        per = 0 if fast else self._norm_whole(M, n)
+        blocks, threads = ((min(_cdiv(M, FAST_NORM_ROWS), 8 * self.sms), FAST_THREADS) if fast
+                           else (min(_cdiv(M, per or NORM_ROWS), 16 * self.sms), NORM_THREADS))
         check = self._step_check(s, blocks, threads)
         ic = self._input_check(x, M, n, ldx)
         first = ic.slot[3].ptr if ic else 0
@@ -851,11 +853,10 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             self._launch(s, "mb_fast_rmsnorm_k", (blocks,), threads, M, n, x, ldx, w, out, n,
                          *check, first)
         else:
-            whole = self._norm_whole(M, n)
             self._launch(s, "mb_rms_k", (blocks,), threads, M, n, x, ldx, r, w,
-                         out if whole else 0, n, *check, first if whole else 0,
+                         out if per else 0, n, per, *check, first if per else 0,
                          smem=self.norm_smem)
-            if not whole:
+            if not per:
                 self._launch(s, "mb_rms_scale_k", (min(_cdiv(M, SCALE_ROWS), 32 * self.sms),),
                              THREADS, M, n, x, ldx, r, w, out, n, first)
         if ic:
@@ -899,11 +900,15 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
         return (0, 0, 0, 0)
 
     def _norm_whole(self, M, n):
-        """Whether mb_rms_k can hold every block's rows whole, with w, and so scale
-        them itself: rows of one leaf, a block's (rmsnorm.cu: RN_ROWS of them, each
-        padded to 4 mod 32 floats) and w within its shared memory."""
-        whole = min(M, NORM_ROWS) * (_cdiv(n, 32) * 32 + 4) + _cdiv(n, 4) * 4
-        return n <= LEAF and 4 * whole <= self.norm_smem
+        """The rows a block of mb_rms_k holds whole, with w, and so scales itself (x
+        read once), else 0: rows of one leaf (rmsnorm.cu: each padded to 4 mod 32
+        floats), up to RN_ROWS of them, and at least NORM_WHOLE_MIN (or all M), since
+        a block walks one chain a row and fewer leave the chains, not memory, the
+        bound; else the ring streams them and mb_rms_scale_k scales."""
+        if n > LEAF:
+            return 0
+        per = min(M, NORM_ROWS, (self.norm_smem // 4 - _cdiv(n, 4) * 4) // (_cdiv(n, 32) * 32 + 4))
+        return per if per >= min(M, NORM_WHOLE_MIN) else 0
 
     def _uniform_offsets(self, B, L):
         """Row offsets of B rows of L tokens (B + 1 int64) on the device, kept; the

@@ -2,12 +2,13 @@
  * each row's r = rsqrt(dot(x, x) / n + eps), and (x * r) * w is written by mb_rms_k
  * itself for rows it holds whole, else by mb_rms_scale_k over the whole grid. A
  * serial chain cannot be split, so rows run side by side instead: a block takes
- * RN_ROWS rows and lane r of warp 0 walks dot v1 of row r. Rows of one leaf that fit
- * the block's shared memory whole (a decode step's few rows, short prefill rows) are
- * copied at once and walked without a barrier, then scaled from there; longer rows
- * stream through a ring of shared-memory stages (cp.async), issued by the other
- * warps, so the chains never wait on global memory, and past 8192 terms join their
- * leaves with mb_dot's tree.
+ * up to RN_ROWS rows and lane r of warp 0 walks dot v1 of row r. Rows of one leaf of
+ * which a few fit the block's shared memory whole are copied at once and walked
+ * without a barrier, then scaled from there, so x is read once (the blocks of a
+ * multiprocessor overlap one's copy with another's chains); longer rows stream
+ * through a ring of shared-memory stages (cp.async), issued by the other warps, so
+ * the chains never wait on global memory, and past 8192 terms join their leaves with
+ * mb_dot's tree.
  * Dynamic shared memory: RN_STAGES * RN_ROWS * RN_LD floats (_cuda.py norm_smem). */
 #include "vendor.h"
 #include "numerics.h"
@@ -87,16 +88,16 @@ MB_DEV void rms_ring(int64_t m0, int rows, int64_t n, const float *xb, int64_t l
     __syncthreads();
 }
 
-/* out (rows ldo apart, may be x itself): given only when the caller found that one
- * leaf's rows of every block fit the shared memory whole with w (_cuda.py
- * _norm_whole); they are then scaled here, else r alone is written. g: a decode
+/* out (rows ldo apart, may be x itself): given only with `per`, the rows of one leaf
+ * that a block holds whole with w (_cuda.py _norm_whole, at most RN_ROWS); they are
+ * then scaled here, else r alone is written, RN_ROWS rows a block. g: a decode
  * session's guard word, given to a one-block launch, which first checks the step's
  * input (cn words at cx; finite.cu mb_guard_step). first: a prefill's input check
  * (finite.cu mb_first_nonfinite_k's answer), run where x is scaled: here or in
  * mb_rms_scale_k */
 MB_KERNEL void MB_BOUNDS(RN_THREADS)
 mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const float *w, float *out,
-         int64_t ldo, int64_t cn, const uint32_t *cx, unsigned long long *g,
+         int64_t ldo, int64_t per, int64_t cn, const uint32_t *cx, unsigned long long *g,
          volatile unsigned long long *host, unsigned long long *first)
 {
     MB_GRID_WAIT();
@@ -104,8 +105,9 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
     extern __shared__ __align__(16) float ring[];
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     unsigned long long bad = ~0ull;
-    for (int64_t m0 = (int64_t)blockIdx.x * RN_ROWS; m0 < M; m0 += (int64_t)gridDim.x * RN_ROWS) {
-        const int rows = M - m0 < RN_ROWS ? (int)(M - m0) : RN_ROWS;
+    const int64_t R = out ? per : RN_ROWS;
+    for (int64_t m0 = (int64_t)blockIdx.x * R; m0 < M; m0 += (int64_t)gridDim.x * R) {
+        const int rows = M - m0 < R ? (int)(M - m0) : (int)R;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
         if (out)
