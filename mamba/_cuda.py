@@ -902,9 +902,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _norm_whole(self, M, n):
         """The rows a block of mb_rms_k holds whole, with w, and so scales itself (x
         read once), else 0: rows of one leaf (rmsnorm.cu: each padded to 4 mod 32
-        floats), up to RN_ROWS of them, and at least NORM_WHOLE_MIN (or all M), since
-        a block walks one chain a row and fewer leave the chains, not memory, the
-        bound; else the ring streams them and mb_rms_scale_k scales."""
+        floats), up to RN_ROWS of them, and at least NORM_WHOLE_MIN (or all M): a block
+        walks one chain a row, so with fewer the chains, not memory, would bound it.
+        At 0 the ring streams the rows and mb_rms_scale_k scales them."""
         if n > LEAF:
             return 0
         per = min(M, NORM_ROWS, (self.norm_smem // 4 - _cdiv(n, 4) * 4) // (_cdiv(n, 32) * 32 + 4))

@@ -281,7 +281,7 @@ def input_check_in_norm(be, name, mode, monkeypatch):
     paths = [("norm", True)] + ([("norm", False)] if mode == "identical" else []) + [
         ("settle", True)]
     for where, whole in paths:
-        monkeypatch.setattr(be, "_norm_whole", (lambda M, n: False) if not whole else
+        monkeypatch.setattr(be, "_norm_whole", (lambda M, n: 0) if not whole else
                             type(be)._norm_whole.__get__(be))
         monkeypatch.setattr(be, "_input_check", take if where == "norm" else
                             lambda *a: None)
