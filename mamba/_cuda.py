@@ -35,17 +35,15 @@ LEAF = 8192          # dot v1 leaf length (numerics.h MB_DOT_LEAF)
 # narrow ones take an N they cover in one tile (the first that does), the residual
 # one a call with res; the tail ones (with and without res) the tiles of a wide call
 # past its last whole wave
-GEMM_WIDE = ("mb_gemm_k", 128, 256, 256, 1)
-GEMM_RES = ("mb_gemm_res_k", 128, 256, 256, 1)
+GEMM_WIDE = ("mb_gemm_k", 128, 128, 128, 2)
+GEMM_RES = ("mb_gemm_res_k", 128, 128, 128, 2)
 GEMM_NARROW = (("mb_gemm_n96_k", 128, 96, 96, 2), ("mb_gemm_n160_k", 64, 160, 160, 2))
 GEMM_TAIL = {"mb_gemm_k": ("mb_gemm_tail_k", 32, 64, 64),
              "mb_gemm_res_k": ("mb_gemm_tail_res_k", 32, 64, 64)}
 GEMM_STRIP = {"mb_gemm_k": ("mb_gemm_strip_k", 64, 32, 32),
               "mb_gemm_res_k": ("mb_gemm_strip_res_k", 64, 32, 32)}
-# mb_gemm_k's last column of tiles where it is at most half full and more than a strip
-GEMM_HALF = ("mb_gemm_half_k", 128, 128, 256)
 TAIL_MAX = 0.5  # the tail kernels take a remainder of at most this much of a wave
-STRIP_MAX = 0.25  # and columns past the last whole wide tile up to this much of one
+STRIP_MAX = 0.5  # and columns past the last whole wide tile up to this much of one
 GEMV_ROWS, GEMV_MROWS, GEMV_THREADS = 32, 8, 256   # gemm.cu mb_gemv_k: GV_ROWS, GV_MROWS
 GEMV_STAGES = 2                                    # gemm.cu: GV_STAGES
 GEMV_MAX_M = 64      # rows of X up to which a projection takes the GEMV kernels
@@ -72,7 +70,7 @@ CONV_RUN = 32        # conv.cu: tokens per item of mb_conv_silu_k
 THREADS = 256
 MAX_NDIM = 8         # copy.cu mb_layout
 POOL_KEEP = (1 << 64) - 1  # the pool keeps freed memory for reuse, as torch's allocator does
-KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k", "mb_gemm_half_k",
+KERNELS = ("mb_gemm_k", "mb_gemm_res_k", "mb_gemm_n96_k", "mb_gemm_n160_k",
            "mb_gemm_tail_k", "mb_gemm_tail_res_k", "mb_gemm_strip_k", "mb_gemm_strip_res_k",
            "mb_gemv_k", "mb_dot_fold_k",
            "mb_rms_k", "mb_rms_scale_k", "mb_conv_silu_k", "mb_conv_window_k", "mb_conv_step_k",
@@ -801,9 +799,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
                 nw = N - N % bn
                 self._gemm_tail(s, GEMM_STRIP[name], [(0, M, nw, N)], K, X, ldx, W, ldw, Y, ldy,
                                 res)
-            elif small and name == GEMM_WIDE[0] and N > bn and 0 < N % bn <= bn // 2:
-                nw = N - N % bn
-                self._gemm_tail(s, GEMM_HALF, [(0, M, nw, N)], K, X, ldx, W, ldw, Y, ldy, 0)
             tiles, wave = _cdiv(M, bm) * _cdiv(nw, bn), per_sm * self.sms
             left = tiles % wave
             if small and tiles > wave and left <= TAIL_MAX * wave:
@@ -826,7 +821,7 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _gemm_tail(self, s, kernel, rects, K, X, ldx, W, ldw, Y, ldy, res):
         """Rectangles (m0, m1, n0, n1) of a one-leaf wide call's output in the smaller
         tiles of kernel (GEMM_TAIL's: the tiles past its last whole wave; GEMM_STRIP's:
-        a narrow last column of tiles; GEMM_HALF: a last column at most half full)."""
+        a narrow last column of tiles)."""
         name, tbm, tbn, threads = kernel
         X, W, Y, res = _ptr(X), _ptr(W), _ptr(Y), _ptr(res)
         for m0, m1, n0, n1 in rects:

@@ -98,14 +98,13 @@ def gemm_tails(be, monkeypatch):
     """A wide call whose tiles pass its last whole wave by at most half a wave runs
     those tiles as small ones (gemm.cu mb_gemm_tail_k, mb_gemm_tail_res_k) with the
     C reference's bits: a tail that starts inside a tile row and one of whole rows,
-    with and without the residual; so do the columns past its last whole tile, as a
-    strip of 64 x 32 tiles where they are few (mb_gemm_strip_k, mb_gemm_strip_res_k)
-    and as 128 x 128 tiles where they fill at most half a tile (mb_gemm_half_k,
-    without the residual). The shapes follow the backend's wave."""
+    with and without the residual; so do the columns past its last whole tile where
+    they fill at most half of one, as a strip of 64 x 32 tiles (mb_gemm_strip_k,
+    mb_gemm_strip_res_k). The shapes follow the backend's wave."""
     calls = []  # (kernel, rectangles) of each _gemm_tail
     real = be._gemm_tail
     monkeypatch.setattr(be, "_gemm_tail", lambda *a: calls.append((a[1][0], a[2])) or real(*a))
-    wave = be.sms  # one 128 x 256 tile a multiprocessor
+    wave = 2 * be.sms  # two 128 x 128 tiles a multiprocessor
 
     def check(M, N, K):
         del calls[:]
@@ -119,24 +118,18 @@ def gemm_tails(be, monkeypatch):
     # wave + 1 tiles: the tail starts inside the last tile row, then at a row's start;
     # K: whole k-tiles of the tail kernels (32 terms, rows 16-byte aligned) and a
     # partial one, or a partial one alone
-    for shape in ((128 * ((wave + 1) // cols) - 7, 256 * cols - 9, 76), (128 * (wave + 1) - 3, 200, 13)):
+    for shape in ((128 * ((wave + 1) // cols) - 7, 128 * cols - 9, 76), (128 * (wave + 1) - 3, 200, 13)):
         assert set(check(*shape)) == {"mb_gemm_tail_k", "mb_gemm_tail_res_k"}, shape
-    # columns past the last whole 256-wide tile, at most a quarter of one: a strip
-    # beside the wide ones (with the wave's tail too in the second shape)
-    M = 128 * (wave // 3 + 1) - 5
+    # columns past the last whole tile, at most half of one: a strip beside the wide
+    # tiles (with the wave's tail too in the second shape); past half, the wide tiles
+    # alone
     got = check(300, 512 + 40, 29)
     assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, 300, 512, 552)]
+    M = 128 * (wave // 6 + 1) - 5
     got = check(M, 768 + 64, 33)
     assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, M, 768, 832)]
     assert got["mb_gemm_tail_k"] and got["mb_gemm_tail_res_k"]
-    # more than a quarter, at most half: 128 x 128 tiles (the residual's call keeps
-    # the wide ones); past half, the wide tiles alone
-    strips = {"mb_gemm_strip_k", "mb_gemm_strip_res_k"}
-    for (M, N, K), half in (((300, 512 + 65, 40), [(0, 300, 512, 577)]),
-                            ((200, 256 + 128, 9), [(0, 200, 256, 384)]),
-                            ((200, 256 + 129, 9), None)):
-        got = check(M, N, K)
-        assert got.get("mb_gemm_half_k") == half and not strips & set(got), (M, N, K)
+    assert not {"mb_gemm_strip_k", "mb_gemm_strip_res_k"} & set(check(200, 256 + 65, 9))
 
 
 def m2_head_groups(be):

@@ -292,7 +292,7 @@ def test_math_matches_reference(be):
 
 @pytest.mark.gpu
 def test_gemm_tiles_match_reference(be):
-    """Edges of the GEMM's 128 x 256 tile and of the narrow tiles (N up to 96 and 160), both
+    """Edges of the GEMM's 128 x 128 tile and of the narrow tiles (N up to 96 and 160), both
     also with two leaves (K > 8192), of the GEMV's 32-column and 8-row blocks and of its
     M <= 64 range, and a K that is not a multiple of the k step."""
     for M, N, K in [(1, 1, 1), (129, 257, 13), (200, 100, 1031), (8, 33, 300), (9, 40, 129),

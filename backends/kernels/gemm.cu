@@ -226,15 +226,11 @@ MB_DEV void gemm_tiles(int64_t M, int64_t N, int64_t K, const float *X, int64_t 
                                                ldr);                                  \
     }
 
-/* 128 x 256 tiles of 8 warps of 64 x 64: the projections' common shapes, without and
- * with the residual res (a uniform out_proj) */
-MB_GEMM_KERNEL(mb_gemm_k, 1, 128, 256, 64, 64, 16, 8, 8, false)
-MB_GEMM_KERNEL(mb_gemm_res_k, 1, 128, 256, 64, 64, 16, 8, 8, true)
-
-/* 128 x 128 tiles of 8 warps of 64 x 32, two blocks a multiprocessor: the last
- * column of a wide call's tiles where it is at most half full (_cuda.py gemm), which a
- * 256-wide tile would compute twice over */
-MB_GEMM_KERNEL(mb_gemm_half_k, 2, 128, 128, 64, 32, 8, 8, 8, false)
+/* 128 x 128 tiles of 4 warps of 64 x 64, two blocks a multiprocessor (one block's
+ * stores, barrier and first fragment reads run under the other's fmas): the
+ * projections' common shapes, without and with the residual res (a uniform out_proj) */
+MB_GEMM_KERNEL(mb_gemm_k, 2, 128, 128, 64, 64, 16, 8, 8, false)
+MB_GEMM_KERNEL(mb_gemm_res_k, 2, 128, 128, 64, 64, 16, 8, 8, true)
 
 /* Narrow N, one tile across (res unused), so that no block walks 256 columns for
  * Mamba-1's x_proj (N = d_model / 16 + 32): up to 96 (d_model 1024), 3 warps of
@@ -244,7 +240,7 @@ MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, 8, false)
 MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false)
 
 /* The tiles left after the last whole wave of a wide call, on 32 x 64 tiles of two
- * warps: a small tail of 128 x 256 tiles would keep all but a few multiprocessors
+ * warps: a small tail of 128 x 128 tiles would keep all but a few multiprocessors
  * idle for a whole tile's time (_cuda.py gemm). 32 terms a k-tile: with two warps a
  * multiprocessor, 8 terms of fmas did not cover the next tile's loads. */
 MB_GEMM_KERNEL(mb_gemm_tail_k, 4, 32, 64, 32, 32, 4, 8, 32, false)
