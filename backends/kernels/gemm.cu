@@ -234,9 +234,8 @@ MB_GEMM_KERNEL(mb_gemm_res_k, 2, 128, 128, 64, 64, 16, 8, 8, true)
 
 /* Narrow N, one tile across (res unused), so that no block walks a wide tile's 128
  * columns, or two tiles of them, for Mamba-1's x_proj (N = d_model / 16 + 32): up to
- * 96 (d_model 1024), 3 warps of
- * 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x 32 (on the H200 32 x 32 at
- * four blocks a multiprocessor was slower) */
+ * 96 (d_model 1024), 3 warps of 128 x 32; up to 160 (d_model 2048), 5 warps of 64 x
+ * 32 (on the H200 32 x 32 at four blocks a multiprocessor was slower) */
 MB_GEMM_KERNEL(mb_gemm_n96_k, 2, 128, 96, 128, 32, 16, 8, 8, false)
 MB_GEMM_KERNEL(mb_gemm_n160_k, 2, 64, 160, 64, 32, 8, 8, 8, false)
 
