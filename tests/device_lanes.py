@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import mamba
-from mamba import _backends, _core
+from mamba import _backends, _core, _cuda
 from _util import FAST_BOUND, floats, rand, raw, rel_l2, time_slice
 from blocks import BLOCKS, make
 
@@ -104,7 +104,9 @@ def gemm_tails(be, monkeypatch):
     calls = []  # (kernel, rectangles) of each _gemm_tail
     real = be._gemm_tail
     monkeypatch.setattr(be, "_gemm_tail", lambda *a: calls.append((a[1][0], a[2])) or real(*a))
-    wave = 2 * be.sms  # two 128 x 128 tiles a multiprocessor
+    _, bm, bn, _, per_sm = _cuda.GEMM_WIDE
+    assert (bm, bn) == (128, 128)  # the shapes below are written for this tile
+    wave = per_sm * be.sms
 
     def check(M, N, K):
         del calls[:]
@@ -125,7 +127,7 @@ def gemm_tails(be, monkeypatch):
     # alone
     got = check(300, 512 + 40, 29)
     assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, 300, 512, 552)]
-    M = 128 * (wave // 6 + 1) - 5
+    M = 128 * (wave // 6 + 1) - 5  # 6 whole column tiles: 1 to 6 past the wave
     got = check(M, 768 + 64, 33)
     assert got["mb_gemm_strip_k"] == got["mb_gemm_strip_res_k"] == [(0, M, 768, 832)]
     assert got["mb_gemm_tail_k"] and got["mb_gemm_tail_res_k"]
