@@ -960,7 +960,7 @@ def i8_unpack(const int8_t[::1] codes, const int32_t[::1] exps, int64_t rows, in
 # ---------------------------------------------------------------- test hooks
 _MATH = {"exp": 0, "log1p": 1, "softplus": 2, "sigmoid": 3, "silu": 4, "sqrt": 5,
          "rsqrt": 6, "tanh": 7, "sin": 8, "cos": 9, "mod2pi": 10, "vexp": 11, "vsilu": 12,
-         "exp_core": 13}
+         "exp_core": 13, "mod2pi_near": 14}
 
 
 def _math(str name, x):

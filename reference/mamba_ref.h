@@ -214,6 +214,7 @@ enum {
     MB_MATH_SQRT, MB_MATH_RSQRT, MB_MATH_TANH, MB_MATH_SIN, MB_MATH_COS, MB_MATH_MOD2PI,
     MB_MATH_VEXP, MB_MATH_VSILU, /* simd.h's vector forms of exp and silu */
     MB_MATH_EXPCORE, /* mb_exp_core, for x in [MB_EXP_LO, 0] */
+    MB_MATH_MOD2PI_NEAR, /* mb_mod2pi_near, for x in [-TWO_PI, 2 TWO_PI) */
     MB_MATH_COUNT
 };
 /* The scalar ones as X(code, numerics.h function): probe.c evaluates them on the CPU,
@@ -222,7 +223,8 @@ enum {
     X(MB_MATH_EXP, mb_exp) X(MB_MATH_LOG1P, mb_log1p) X(MB_MATH_SOFTPLUS, mb_softplus)  \
     X(MB_MATH_SIGMOID, mb_sigmoid) X(MB_MATH_SILU, mb_silu) X(MB_MATH_SQRT, mb_sqrt)    \
     X(MB_MATH_RSQRT, mb_rsqrt) X(MB_MATH_TANH, mb_tanh) X(MB_MATH_SIN, mb_sin)          \
-    X(MB_MATH_COS, mb_cos) X(MB_MATH_MOD2PI, mb_mod2pi) X(MB_MATH_EXPCORE, mb_exp_core)
+    X(MB_MATH_COS, mb_cos) X(MB_MATH_MOD2PI, mb_mod2pi) X(MB_MATH_EXPCORE, mb_exp_core) \
+    X(MB_MATH_MOD2PI_NEAR, mb_mod2pi_near)
 int mb_math_eval(int which, int64_t n, const float *x, float *y);
 float mb_dot_eval(int64_t k, const float *a, const float *b);
 

@@ -299,6 +299,20 @@ MB_FN float mb_mod2pi(float x)
     return fmaf(-MB_TWO_PI, floorf(q), x);
 }
 
+/* mb_mod2pi's bits for x in [-TWO_PI, 2 TWO_PI): there floor(q) is -1 from -2^-147
+ * down (q of the three negatives above it rounds to -0), +-0 below TWO_PI and 1 from
+ * it on, so the result is fma(-TWO_PI, k, x) with k exact: x + TWO_PI, x + 0 (which
+ * makes -0 +0, as k = -0 does) or x - TWO_PI, picked by compares on x instead of
+ * waiting on the quotient (checked over all 2.2e9 floats of the domain). A walk of
+ * angles th = mod2pi(th + d) stays in it while th starts in [-0.25, 6.5] and every
+ * |d| < 6, mb_mod2pi's results being in [-1e-6, TWO_PI]. */
+MB_FN float mb_mod2pi_near(float x)
+{
+    MB_NOCONTRACT
+    const float lo = x + MB_TWO_PI, mid = x + 0.0f, hi = x - MB_TWO_PI;
+    return mb_sel_(x >= MB_TWO_PI, hi, mb_sel_(x <= -5.605193857299268e-45f, lo, mid));
+}
+
 /* dot v1 (SPEC 4.4): a serial fma chain seeded with +0 over each leaf of 8192. */
 MB_FN float mb_dot_chain_(int64_t n, const float *a, int64_t sa, const float *b, int64_t sb)
 {

@@ -349,6 +349,33 @@ def norm_gemv(be, M, N, K):
     assert raw(X) == xs
 
 
+def angle_walks(be):
+    """Mamba-3's angle walk takes mb_mod2pi_near for a batch of 64 tokens of an angle
+    only when the angle starts it in [-0.25, 6.5] and every increment ta * dt is under
+    6 in magnitude; otherwise mb_mod2pi. A state whose angles start at 100, -3, 7 and
+    just past the range sends those walks' first batches the long way, and dt_bias 2
+    makes dt about 2.1, so that |ta| * dt (|ta| <= pi) passes 6 on a few tokens: some
+    batches of the other walks take each path (a build with either path's result
+    changed fails here). 150 tokens: two whole batches and a partial one. A forward
+    from the state, a stateless one and backward keep the C reference's bits."""
+    w = mamba.random_weights("mamba3", 32, seed=9)
+    memoryview(w["dt_bias"]).cast("B").cast("f")[0] = 2.0
+    cpu = BLOCKS["mamba3"]["cls"](w, backend="cpu")
+    gpu = BLOCKS["mamba3"]["cls"](w, backend="cuda")
+    x = rand((2, 150, 32), 62)
+    st_c = cpu.allocate_state(2)
+    th = memoryview(st_c.theta).cast("B").cast("f")
+    for i, v in enumerate((100.0, -3.0, 7.0, -0.0, -0.25, 6.5, -0.2500001, 6.5000005)):
+        th[5 * i] = v
+    st_g = type(st_c)(*[be.copy(p) for p in st_c.pieces()])
+    assert raw(gpu.forward(x, st_g)) == raw(cpu.forward(x, st_c))
+    assert state_of(st_g) == state_of(st_c)
+    assert raw(gpu.forward(x)) == raw(cpu.forward(x))
+    dy = rand((2, 150, 32), 63)
+    got, want = gpu.backward(x, dy), cpu.backward(x, dy)
+    assert all(raw(got[k]) == raw(want[k]) for k in want)
+
+
 def scan_exp_ranges(be):
     """Mamba-1's scan takes exp's core only for groups of 16 tokens whose every delta * A
     lies in [MB_EXP_LO, 0]. With dt_proj's weight zero, delta is softplus(dt_proj's

@@ -22,8 +22,8 @@ from blocks import BLOCKS, make
 from test_backward_gpu import GRAD_BLOCKS, _inputs, _pair
 from test_profile import DIGESTS, run_digest
 from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, REPORTS, SSD_SESSIONS,
-                          assert_same, fast_rmsnorm_rows, frees_during_capture, gemm_tails,
-                          host, m2_head_groups,
+                          angle_walks, assert_same, fast_rmsnorm_rows, frees_during_capture,
+                          gemm_tails, host, m2_head_groups,
                           input_check_in_norm, math_matches_reference, norm_gemv, poisoned,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
                           ssd_session_graph, state_of)
@@ -680,6 +680,10 @@ def test_copies_land_at_their_wait(be):
 
 def test_scan_exp_ranges(be):
     scan_exp_ranges(be)
+
+
+def test_angle_walks(be):
+    angle_walks(be)
 
 
 def test_gemm_tails(be, monkeypatch):

@@ -18,8 +18,8 @@ from mamba import _backends, _core
 from _util import rand, raw, state_bytes, time_slice
 from blocks import BLOCKS, make
 from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, SSD_SESSIONS,
-                          fast_rmsnorm_rows, frees_during_capture, gemm_tails, m2_head_groups,
-                          input_check_in_norm, math_matches_reference, norm_gemv,
+                          angle_walks, fast_rmsnorm_rows, frees_during_capture, gemm_tails,
+                          m2_head_groups, input_check_in_norm, math_matches_reference, norm_gemv,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
                           ssd_session_graph)
 
@@ -271,6 +271,11 @@ def test_norm_gemv(be, M, N, K):
 @pytest.mark.gpu
 def test_scan_exp_ranges(be):
     scan_exp_ranges(be)
+
+
+@pytest.mark.gpu
+def test_angle_walks(be):
+    angle_walks(be)
 
 
 @pytest.mark.gpu

@@ -143,7 +143,9 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
  * angle r's chain and nothing else, so a step is the chain's arithmetic with one
  * shared load and store: the helpers (threads from M3_ANG_HELP0, a warp of their own)
  * form each batch's products ta * dt in shared memory a batch ahead and store the
- * walked angles to Q a batch behind, one barrier a batch. */
+ * walked angles to Q a batch behind, one barrier a batch. A batch whose increments
+ * and starting angle allow it walks by mb_mod2pi_near, whose chain is an add, a
+ * compare and two selects instead of the quotient's seven steps. */
 MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
 mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
@@ -204,12 +206,24 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
             if (left >= M3_ANG_NB) { /* the batch's loads first: the compiler cannot
                                         * move one past a store to another array */
                 float v[M3_ANG_NB];
-#pragma unroll
-                for (int u = 0; u < M3_ANG_NB; u++) v[u] = a[u][tid];
+                bool near = th >= -0.25f && th <= 6.5f; /* mb_mod2pi_near's walk */
 #pragma unroll
                 for (int u = 0; u < M3_ANG_NB; u++) {
-                    th = mb_mod2pi(th + v[u]);
-                    g[u][tid] = th;
+                    v[u] = a[u][tid];
+                    near = near && fabsf(v[u]) < 6.0f;
+                }
+                if (near) {
+#pragma unroll
+                    for (int u = 0; u < M3_ANG_NB; u++) {
+                        th = mb_mod2pi_near(th + v[u]);
+                        g[u][tid] = th;
+                    }
+                } else {
+#pragma unroll
+                    for (int u = 0; u < M3_ANG_NB; u++) {
+                        th = mb_mod2pi(th + v[u]);
+                        g[u][tid] = th;
+                    }
                 }
             } else {
                 for (int u = 0; u < left; u++) {
