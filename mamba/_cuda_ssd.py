@@ -41,7 +41,7 @@ M3S_SMEM = {qs: 4 * 2 * 64 * (64 // qs + 128) for qs in M3S}
 SMEM = {"mb_fast_m3_y_k": M3Y_SMEM, "mb_m3_y_k": M3YI_SMEM, "mb_m2_y_k": M2YI_SMEM,
         **{M3S[qs]: M3S_SMEM[qs] for qs in M3S}}
 M3R_ANG, M3R_RUNS = 8, 64  # ssd3.cu: mb_fast_m3_angles_k's angles a block, runs of tokens
-ANGLE_THREADS = 128  # ssd3.cu M3_ANG_THREADS: mb_m3_angles_k's block (a row and head)
+ANGLE_THREADS = 256  # ssd3.cu M3_ANG_THREADS: mb_m3_angles_k's block (a row and head)
 G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 PREP_HEADS = 8     # ssd2.cu M2_PREP_HEADS: heads a block of mb_m2_prep_k (M2_Q threads)
 MAX_GRID_Z = 65535

@@ -132,20 +132,21 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
 }
 
 #define M3_ANG_NB 64 /* tokens a batch */
-#define M3_ANG_THREADS 128
-#define M3_ANG_HELP0 MB_WARP /* the helpers' first thread: a warp after the walkers' */
-#define M3_ANG_NH (M3_ANG_THREADS - M3_ANG_HELP0)
+#define M3_ANG_THREADS 256
+#define M3_ANG_HW ((M3_ANG_THREADS - MB_WARP) / M3A) /* helper groups, after the walkers' warp */
+#define M3_ANG_PER ((M3_ANG_NB + M3_ANG_HW - 1) / M3_ANG_HW) /* tokens a helper thread */
 
 /* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone
  * (the only serial part of the rotation), each token's angle parked in q's slot 2r,
  * which mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the
  * row's last token; theta_last (optional) receives the same. Thread r < M3A walks
  * angle r's chain and nothing else, so a step is the chain's arithmetic with one
- * shared load and store: the helpers (threads from M3_ANG_HELP0, a warp of their own)
- * form each batch's products ta * dt in shared memory a batch ahead and store the
- * walked angles to Q a batch behind, one barrier a batch. A batch whose increments
- * and starting angle allow it walks by mb_mod2pi_near, whose chain is an add, a
- * compare and two selects instead of the quotient's seven steps. */
+ * shared load and store: the helpers, groups of M3A threads from the next warp on
+ * (thread r of group w: angle r of tokens w, w + M3_ANG_HW, ...), form each batch's
+ * products ta * dt in shared memory a batch ahead and store the walked angles to Q a
+ * batch behind, one barrier a batch. A batch whose
+ * increments and starting angle allow it walks by mb_mod2pi_near, whose chain is an
+ * add, a compare and two selects instead of the quotient's seven steps. */
 MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
 mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
@@ -154,49 +155,47 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     MB_GRID_WAIT();
     const int64_t b = blockIdx.x / H, h = blockIdx.x % H, o = off[b], T = off[b + 1] - o;
     const int64_t e0 = eoff[b] + t0[b], nb = (T + M3_ANG_NB - 1) / M3_ANG_NB;
-    const int tid = threadIdx.x, hl = tid - M3_ANG_HELP0;
-    constexpr int PER = (M3_ANG_NB * M3A + M3_ANG_NH - 1) / M3_ANG_NH;
-    /* helper hl's cells k = hl + j NH of batch n: token n NB + k / M3A, angle k % M3A */
-    auto cells = [&](int64_t n) {
+    const int tid = threadIdx.x, r = tid % M3A, hw = tid < MB_WARP ? -1 : (tid - MB_WARP) / M3A;
+    auto tokens = [&](int64_t n) {
         const int64_t left = T - n * M3_ANG_NB;
-        return (int)(left < M3_ANG_NB ? left : M3_ANG_NB) * M3A;
+        return (int)(left < M3_ANG_NB ? left : M3_ANG_NB);
     };
     /* every load of a batch before any use of one: each waits on the memory only once
-     * (a cell past the batch loads the batch's first and is not stored) */
+     * (a token past the batch loads the batch's first and is not stored) */
     auto fill = [&](int64_t n) {
-        const int64_t t = n * M3_ANG_NB;
-        const int cnt = cells(n);
-        float a[PER], d[PER];
+        const int cnt = tokens(n);
+        const float *ta = TA + (o + n * M3_ANG_NB) * M3A + r, *dt = DT + (e0 + n * M3_ANG_NB) * H + h;
+        float a[M3_ANG_PER], d[M3_ANG_PER];
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int k = hl + j * M3_ANG_NH < cnt ? hl + j * M3_ANG_NH : 0;
-            a[j] = TA[(o + t + k / M3A) * M3A + k % M3A];
-            d[j] = DT[(e0 + t + k / M3A) * H + h];
+        for (int j = 0; j < M3_ANG_PER; j++) {
+            const int u = hw + j * M3_ANG_HW, uu = u < cnt ? u : 0;
+            a[j] = ta[uu * M3A];
+            d[j] = dt[uu * H];
         }
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int k = hl + j * M3_ANG_NH;
-            if (k < cnt) inc[n & 1][k / M3A][k % M3A] = a[j] * d[j];
+        for (int j = 0; j < M3_ANG_PER; j++) {
+            const int u = hw + j * M3_ANG_HW;
+            if (u < cnt) inc[n & 1][u][r] = a[j] * d[j];
         }
     };
     auto flush = [&](int64_t n) {
-        const int64_t t = n * M3_ANG_NB;
-        const int cnt = cells(n);
-        float v[PER];
+        const int cnt = tokens(n);
+        float *q = Q + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + 2 * r;
+        float v[M3_ANG_PER];
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int k = hl + j * M3_ANG_NH < cnt ? hl + j * M3_ANG_NH : 0;
-            v[j] = ang[n & 1][k / M3A][k % M3A];
+        for (int j = 0; j < M3_ANG_PER; j++) {
+            const int u = hw + j * M3_ANG_HW;
+            v[j] = ang[n & 1][u < cnt ? u : 0][r];
         }
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int k = hl + j * M3_ANG_NH;
-            if (k < cnt) Q[((e0 + t + k / M3A) * H + h) * SSD_NS + 2 * (k % M3A)] = v[j];
+        for (int j = 0; j < M3_ANG_PER; j++) {
+            const int u = hw + j * M3_ANG_HW;
+            if (u < cnt) q[u * H * SSD_NS] = v[j];
         }
     };
     const int64_t i = (int64_t)blockIdx.x * M3A + tid;
     float th = tid < M3A ? theta[i] : 0.0f;
-    if (hl >= 0 && nb > 0) fill(0);
+    if (hw >= 0 && nb > 0) fill(0);
     __syncthreads();
     for (int64_t n = 0; n < nb; n++) {
         if (tid < M3A) { /* m3_angle, its product formed by the helpers */
@@ -231,21 +230,21 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
                     g[u][tid] = th;
                 }
             }
-        } else if (hl >= 0) {
+        } else if (hw >= 0) {
             if (n + 1 < nb) fill(n + 1);
             if (n > 0) flush(n - 1);
         }
         __syncthreads();
     }
-    if (hl >= 0 && nb > 0) flush(nb - 1);
+    if (hw >= 0 && nb > 0) flush(nb - 1);
     if (tid < M3A) {
         theta[i] = th;
         if (theta_last) theta_last[i] = th;
     }
 }
 #undef M3_ANG_NB
-#undef M3_ANG_NH
-#undef M3_ANG_HELP0
+#undef M3_ANG_HW
+#undef M3_ANG_PER
 
 /* One thread per (new token, head, angle): m3_rotate_token at the angle that
  * mb_m3_angles_k parked. Grid (x over the row's tokens * H * M3A, y over rows). */
