@@ -193,8 +193,8 @@ class SsdMixin:
                          dt_bias, A_log, _bits(limit[0]), _bits(limit[1]), dt, dA, cs)
 
     def _m3_angles(self, s, B, H, I, TA, DT, theta, Q, last):
-        """Mamba-3's angle recurrence (identical), each token's angle into Q's slot 2r;
-        last: theta_last's copy (0: none)."""
+        """Mamba-3's angle recurrence (identical), each token's angle r into slot r of
+        its Q row; last: theta_last's copy (0: none)."""
         self._launch(s, "mb_m3_angles_k", (B * H,), ANGLE_THREADS,
                      B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, last)
 

@@ -60,17 +60,23 @@
 #define B3_EH(i) ((e0 + (i)) * H + h)
 
 /* One thread per (token, head, angle), after mb_m3_angles_k parked each token's angle
- * in q's slot 2r: the forward's rotation (m3_rotate_token), keeping the angle in ANG
- * (M, H, M3A) for mb_m3b_unrot_k. */
+ * in q's slot r: the forward's rotation (m3_rotate_token), keeping the angle in ANG
+ * (M, H, M3A) for mb_m3b_unrot_k; a block's rows (whole, blockDim a multiple of M3A)
+ * read all their angles before the pairs overwrite them, as in mb_m3_rotate_k. */
 MB_KERNEL void mb_m3b_rotate_k(int64_t M, int64_t H, const float *Bn, const float *Cn,
                                const float *B_bias, const float *C_bias, float *Q, float *K,
                                float *ANG)
 {
-    MB_GRID_LOOP(i, M * H * M3A) {
-        const int64_t e = i / M3A, r = i % M3A;
-        const float th = Q[e * SSD_NS + 2 * r];
-        ANG[i] = th;
-        m3_rotate_token(th, e % H, e / H, e, r, Bn, Cn, B_bias, C_bias, Q, K, NULL);
+    const int64_t n = M * H * M3A;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x; i0 < n;
+         i0 += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t i = i0 + threadIdx.x, e = i / M3A, r = i % M3A;
+        const float th = i < n ? Q[e * SSD_NS + r] : 0.0f;
+        __syncthreads();
+        if (i < n) {
+            ANG[i] = th;
+            m3_rotate_token(th, e % H, e / H, e, r, Bn, Cn, B_bias, C_bias, Q, K, NULL);
+        }
     }
 }
 

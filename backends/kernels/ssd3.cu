@@ -137,16 +137,16 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
 #define M3_ANG_PER ((M3_ANG_NB + M3_ANG_HW - 1) / M3_ANG_HW) /* tokens a helper thread */
 
 /* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone
- * (the only serial part of the rotation), each token's angle parked in q's slot 2r,
- * which mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the
+ * (the only serial part of the rotation), each token's angle r parked in q's slot r
+ * (whole rows of 32 stores), which mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the
  * row's last token; theta_last (optional) receives the same. Thread r < M3A walks
  * angle r's chain and nothing else, so a step is the chain's arithmetic with one
  * shared load and store: the helpers, groups of M3A threads from the next warp on
  * (thread r of group w: angle r of tokens w, w + M3_ANG_HW, ...), form each batch's
  * products ta * dt in shared memory a batch ahead and store the walked angles to Q a
- * batch behind, one barrier a batch. A batch whose
- * increments and starting angle allow it walks by mb_mod2pi_near, whose chain is an
- * add, a compare and two selects instead of the quotient's seven steps. */
+ * batch behind, one barrier a batch. A batch whose increments and starting angle
+ * allow it walks by mb_mod2pi_near, whose chain is an add, a compare and two selects
+ * instead of the quotient's seven steps. */
 MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
 mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
@@ -160,18 +160,22 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
         const int64_t left = T - n * M3_ANG_NB;
         return (int)(left < M3_ANG_NB ? left : M3_ANG_NB);
     };
-    /* every load of a batch before any use of one: each waits on the memory only once
-     * (a token past the batch loads the batch's first and is not stored) */
-    auto fill = [&](int64_t n) {
+    /* a batch's loads are issued a batch before their products are stored, so that
+     * they wait on memory while the walk before runs (a token past the batch loads
+     * the batch's first and is not stored) */
+    float a[M3_ANG_PER], d[M3_ANG_PER];
+    auto load = [&](int64_t n) {
         const int cnt = tokens(n);
         const float *ta = TA + (o + n * M3_ANG_NB) * M3A + r, *dt = DT + (e0 + n * M3_ANG_NB) * H + h;
-        float a[M3_ANG_PER], d[M3_ANG_PER];
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
             const int u = hw + j * M3_ANG_HW, uu = u < cnt ? u : 0;
             a[j] = ta[uu * M3A];
             d[j] = dt[uu * H];
         }
+    };
+    auto fill = [&](int64_t n) {
+        const int cnt = tokens(n);
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
             const int u = hw + j * M3_ANG_HW;
@@ -180,7 +184,7 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     };
     auto flush = [&](int64_t n) {
         const int cnt = tokens(n);
-        float *q = Q + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + 2 * r;
+        float *q = Q + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + r;
         float v[M3_ANG_PER];
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
@@ -195,7 +199,11 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     };
     const int64_t i = (int64_t)blockIdx.x * M3A + tid;
     float th = tid < M3A ? theta[i] : 0.0f;
-    if (hw >= 0 && nb > 0) fill(0);
+    if (hw >= 0 && nb > 0) {
+        load(0);
+        fill(0);
+        if (nb > 1) load(1);
+    }
     __syncthreads();
     for (int64_t n = 0; n < nb; n++) {
         if (tid < M3A) { /* m3_angle, its product formed by the helpers */
@@ -231,7 +239,10 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
                 }
             }
         } else if (hw >= 0) {
-            if (n + 1 < nb) fill(n + 1);
+            if (n + 1 < nb) {
+                fill(n + 1);
+                if (n + 2 < nb) load(n + 2);
+            }
             if (n > 0) flush(n - 1);
         }
         __syncthreads();
@@ -247,19 +258,24 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
 #undef M3_ANG_PER
 
 /* One thread per (new token, head, angle): m3_rotate_token at the angle that
- * mb_m3_angles_k parked. Grid (x over the row's tokens * H * M3A, y over rows). */
+ * mb_m3_angles_k parked in slot r of q's row, which the row's pairs overwrite: a
+ * block's rows (whole, blockDim a multiple of M3A) read all their angles first. Grid
+ * (x over the row's tokens * H * M3A, y over rows). */
 MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *Bn, const float *Cn,
                               const float *B_bias, const float *C_bias, float *Q, float *K)
 {
     MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
-        const int64_t o = off[b], e0 = eoff[b] + t0[b];
-        MB_GRID_LOOP(j, (off[b + 1] - o) * H * M3A) {
+        const int64_t o = off[b], e0 = eoff[b] + t0[b], n = (off[b + 1] - o) * H * M3A;
+        for (int64_t j0 = (int64_t)blockIdx.x * blockDim.x; j0 < n;
+             j0 += (int64_t)gridDim.x * blockDim.x) {
+            const int64_t j = j0 + threadIdx.x;
             const int64_t t = j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
             const int64_t e = (e0 + t) * H + h;
-            m3_rotate_token(Q[e * SSD_NS + 2 * r], h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q,
-                            K, NULL);
+            const float th = j < n ? Q[e * SSD_NS + r] : 0.0f;
+            __syncthreads();
+            if (j < n) m3_rotate_token(th, h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q, K, NULL);
         }
     }
 }
