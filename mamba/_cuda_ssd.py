@@ -306,8 +306,8 @@ class SsdMixin:
             U, DTR = sc(E * CD), sc(E * H)
             unew = U if direct else sc(M * CD)
             xbc = zx + 4 * di
-            self._launch(s, self.kname("conv_silu_k", fast), self._rows_grid(L * CD, B),
-                         C.THREADS,
+            self._launch(s, self.kname("conv_silu_k", fast),
+                         self._rows_grid(C._cdiv(L, C.CONV_RUN) * CD, B), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw, conv_w, conv_b, unew, CD)
             self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
                          B, I["off"], CD, xbc, NP, cw)

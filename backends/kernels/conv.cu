@@ -68,16 +68,21 @@ MB_DEV void conv_silu(int64_t B, const int64_t *off, int64_t C, const float *in,
     }
 }
 
-MB_KERNEL void mb_conv_silu_k(int64_t B, const int64_t *off, int64_t C, const float *in,
-                              int64_t ldi, const float *window, const float *w,
-                              const float *bias, float *u, int64_t ldu)
+/* Four blocks of 256 a multiprocessor (54 registers; unbounded, ptxas takes 80 and
+ * three blocks fit): a quarter more loads in flight over the memory-bound pass. */
+#define CONV_BOUNDS MB_BOUNDS_MIN(256, 4)
+MB_KERNEL void CONV_BOUNDS mb_conv_silu_k(int64_t B, const int64_t *off, int64_t C,
+                                          const float *in, int64_t ldi, const float *window,
+                                          const float *w, const float *bias, float *u,
+                                          int64_t ldu)
 {
     conv_silu<mb_identical>(B, off, C, in, ldi, window, w, bias, u, ldu);
 }
 
-MB_KERNEL void mb_fast_conv_silu_k(int64_t B, const int64_t *off, int64_t C, const float *in,
-                                   int64_t ldi, const float *window, const float *w,
-                                   const float *bias, float *u, int64_t ldu)
+MB_KERNEL void CONV_BOUNDS mb_fast_conv_silu_k(int64_t B, const int64_t *off, int64_t C,
+                                               const float *in, int64_t ldi, const float *window,
+                                               const float *w, const float *bias, float *u,
+                                               int64_t ldu)
 {
     conv_silu<mb_fast>(B, off, C, in, ldi, window, w, bias, u, ldu);
 }
@@ -159,3 +164,4 @@ MB_KERNEL void mb_fast_conv_step_k(int64_t B, int64_t C, const float *in, int64_
 #undef TAPS
 #undef CONV_RUN
 #undef CONV_BATCH
+#undef CONV_BOUNDS
