@@ -136,17 +136,17 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
 #define M3_ANG_HW ((M3_ANG_THREADS - MB_WARP) / M3A) /* helper groups, after the walkers' warp */
 #define M3_ANG_PER ((M3_ANG_NB + M3_ANG_HW - 1) / M3_ANG_HW) /* tokens a helper thread */
 
-/* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone
- * (the only serial part of the rotation), each token's angle r parked in q's slot r
- * (whole rows of 32 stores), which mb_m3_rotate_k then reads and overwrites. theta (B, H, M3A) ends after the
- * row's last token; theta_last (optional) receives the same. Thread r < M3A walks
- * angle r's chain and nothing else, so a step is the chain's arithmetic with one
- * shared load and store: the helpers, groups of M3A threads from the next warp on
- * (thread r of group w: angle r of tokens w, w + M3_ANG_HW, ...), form each batch's
- * products ta * dt in shared memory a batch ahead and store the walked angles to Q a
- * batch behind, one barrier a batch. A batch whose increments and starting angle
- * allow it walks by mb_mod2pi_near, whose chain is an add, a compare and two selects
- * instead of the quotient's seven steps. */
+/* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone (the
+ * only serial part of the rotation), each token's angle r parked in q's slot r (a row's
+ * 32 in one coalesced store), which mb_m3_rotate_k then reads and overwrites. theta (B,
+ * H, M3A) ends after the row's last token; theta_last (optional) receives the same.
+ * Thread r < M3A walks angle r's chain and nothing else, so a step is the chain's
+ * arithmetic with one shared load and store: the helpers, groups of M3A threads from
+ * the next warp on (thread r of group w: angle r of tokens w, w + M3_ANG_HW, ...), form
+ * each batch's products ta * dt in shared memory a batch ahead and store the walked
+ * angles to Q a batch behind, one barrier a batch. A batch whose increments and
+ * starting angle allow it walks by mb_mod2pi_near, whose chain is an add, a compare and
+ * two selects instead of the quotient's seven steps. */
 MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
 mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
                const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
@@ -166,7 +166,8 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     float a[M3_ANG_PER], d[M3_ANG_PER];
     auto load = [&](int64_t n) {
         const int cnt = tokens(n);
-        const float *ta = TA + (o + n * M3_ANG_NB) * M3A + r, *dt = DT + (e0 + n * M3_ANG_NB) * H + h;
+        const float *ta = TA + (o + n * M3_ANG_NB) * M3A + r;
+        const float *dt = DT + (e0 + n * M3_ANG_NB) * H + h;
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
             const int u = hw + j * M3_ANG_HW, uu = u < cnt ? u : 0;
