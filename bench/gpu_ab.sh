@@ -3,7 +3,9 @@
 #   bash bench/gpu_ab.sh DIR DIR [DIR...] [ROUNDS] [bench/gpu.py options...]
 # e.g. a base tree from `git archive BASE | tar -x -C DIR`. Lent machines differ by a
 # microsecond or two a decode step from one lease to the next, so a change is to be
-# compared with its base on the same machine, in one call. Each tree is built with
+# compared with its base on the same machine, in one call; a prefill's lone-call
+# medians still move by tenths of a millisecond between trees, so read its
+# *_kernel_sum_ms (the device's busy time) beside them. Each tree is built with
 # `pip install --target` into a folder of its own (its build needs meson-python
 # importable, e.g. through PYTHONPATH), the builds side by side, and runs its own
 # bench/gpu.py; every output line is prefixed with the tree's name. Default options:
