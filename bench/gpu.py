@@ -222,10 +222,10 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
                 row[mode + "_kernel_sum_ms"] = sum(row[mode + "_kernels_ms"].values())
                 try:  # first start to last end: the busy time plus the gaps inside
                     tl = kernel_timeline(lambda: blk.forward(x))
-                    if tl:
-                        row[mode + "_span_ms"] = (tl[-1][2] - tl[0][1]) / 1e3
-                except Exception:  # the profiler's event API differs between torch versions
-                    pass
+                    if tl:  # sorted by start; the last to start need not end last
+                        row[mode + "_span_ms"] = (max(e for _, _, e in tl) - tl[0][1]) / 1e3
+                except Exception as e:  # the profiler's event API differs between torch versions
+                    row[mode + "_span_error"] = repr(e)
                 if wname == "W1":  # host time to issue one call (no wait)
                     row[mode + "_issue_ms"] = issue_ms(lambda: blk.forward(x))
                 del blk
