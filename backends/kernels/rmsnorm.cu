@@ -3,9 +3,8 @@
  * itself for rows it holds whole, else by mb_rms_scale_k over the whole grid. A
  * serial chain cannot be split, so rows run side by side instead: a block takes
  * up to RN_ROWS rows and lane r of warp 0 walks dot v1 of row r. Rows of one leaf of
- * which a few fit the block's shared memory whole are copied at once and walked
- * without a barrier, then scaled from there, so x is read once (the blocks of a
- * multiprocessor overlap one's copy with another's chains); longer rows stream
+ * which a few fit the block's shared memory whole are copied at once, walked as
+ * their parts land, then scaled from there, so x is read once; longer rows stream
  * through a ring of shared-memory stages (cp.async), issued by the other warps, so
  * the chains never wait on global memory, and past 8192 terms join their leaves with
  * mb_dot's tree.
@@ -20,22 +19,72 @@
 #define RN_LD (RN_KC + 4)
 #define RN_STAGES MB_STAGES
 #define RN_THREADS 128
+#define RN_CHUNKS 4
 
-/* rows [m0, m0 + rows) whole (chain.h mb_norm_rows), then scaled from there */
+/* (v * r) * w of four terms, noting the non-finite ones (flat index e on) in bad
+ * where check is set */
+MB_DEV float4 rms_scale4(float4 v, float r, float4 w, int64_t e, bool check,
+                         unsigned long long *bad)
+{
+    if (check) {
+        mb_note_nonfinite(v.x, e, bad), mb_note_nonfinite(v.y, e + 1, bad);
+        mb_note_nonfinite(v.z, e + 2, bad), mb_note_nonfinite(v.w, e + 3, bad);
+    }
+    float4 o;
+    o.x = (v.x * r) * w.x, o.y = (v.y * r) * w.y, o.z = (v.z * r) * w.z, o.w = (v.w * r) * w.w;
+    return o;
+}
+
+/* rows [m0, m0 + rows) whole at sm (ld floats apart), scaled from there by sw (w,
+ * staged by the caller). Their copy is issued at once as RN_CHUNKS commit groups
+ * and lane i of warp 0 walks row i's chain through each group as it lands, so the
+ * chains run under the copy instead of after it (dot v1's terms in the order of
+ * chain.h mb_sumsq_row). */
 MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t ldx, bool vec,
-                      int ld, float *sm, float *r, const float *w, float *out, int64_t ldo,
+                      int ld, float *sm, const float *sw, float *r, float *out, int64_t ldo,
                       unsigned long long *bad)
 {
     __shared__ float rr[RN_ROWS];
     const int tid = threadIdx.x;
-    const float *sw = mb_norm_rows(sm, ld, xb, ldx, rows, n, vec, w, rr, tid, RN_THREADS);
-    if (tid < rows) r[m0 + tid] = rr[tid];
-    for (int m = 0; m < rows; m++)
-        for (int j = tid; j < n; j += RN_THREADS) {
-            const float v = sm[m * ld + j];
-            if (bad) mb_note_nonfinite(v, (m0 + m) * ldx + j, bad); /* the input check */
-            out[(m0 + m) * ldo + j] = (v * rr[m]) * sw[j];
-        }
+    const int n4 = (int)(n + 3) / 4 * 4, n16 = (int)n / 16 * 16;
+    const int kc = (n4 + 16 * RN_CHUNKS - 1) / (16 * RN_CHUNKS) * 16; /* terms a group */
+    for (int c = 0; c < RN_CHUNKS; c++) {
+        const int k = c * kc;
+        if (k < n4)
+            mb_stage_rows(sm + k, ld, xb, ldx, rows, kc < n4 - k ? kc : n4 - k, k, n, vec, tid,
+                          RN_THREADS);
+        mb_cp_commit();
+    }
+    float acc = 0.0f;
+    const float *t = sm + tid * ld;
+    for (int c = 0; c < RN_CHUNKS; c++) {
+        mb_cp_wait_n(RN_CHUNKS - 1 - c);
+        __syncthreads();
+        const int k = c * kc, k1 = k + kc < n16 ? k + kc : n16;
+        if (tid < rows && k < k1) acc = mb_chain_tile<true>(acc, t + k, t + k, k1 - k);
+    }
+    if (tid < rows) {
+        for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
+        rr[tid] = mb_rms_r(acc, n);
+        r[m0 + tid] = rr[tid];
+    }
+    __syncthreads();
+    const bool v4 = ((n | ldo) & 3) == 0 && ((uintptr_t)out & 15) == 0;
+    for (int m = 0; m < rows; m++) {
+        const int64_t e = (m0 + m) * ldx, o = (m0 + m) * ldo;
+        if (v4)
+            for (int j = 4 * tid; j < n; j += 4 * RN_THREADS) {
+                const float4 v = *(const float4 *)(sm + m * ld + j);
+                *(float4 *)(out + o + j) =
+                    rms_scale4(v, rr[m], *(const float4 *)(sw + j), e + j, bad != nullptr, bad);
+            }
+        else
+            for (int j = tid; j < n; j += RN_THREADS) {
+                const float v = sm[m * ld + j];
+                if (bad) mb_note_nonfinite(v, e + j, bad); /* the input check */
+                out[o + j] = (v * rr[m]) * sw[j];
+            }
+    }
     __syncthreads();
 }
 
@@ -106,12 +155,16 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     unsigned long long bad = ~0ull;
     const int64_t R = out ? per : RN_ROWS;
+    const int n4 = (int)(n + 3) / 4 * 4;
+    float *sw = ring + R * ld; /* w, after the rows: copied with the first rows' first group */
+    if (out)
+        mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, threadIdx.x, RN_THREADS);
     for (int64_t m0 = (int64_t)blockIdx.x * R; m0 < M; m0 += (int64_t)gridDim.x * R) {
         const int rows = M - m0 < R ? (int)(M - m0) : (int)R;
         const float *xb = x + m0 * ldx;
         const bool vec = (ldx & 3) == 0 && ((uintptr_t)xb & 15) == 0;
         if (out)
-            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, r, w, out, ldo, first ? &bad : nullptr);
+            rms_whole(m0, rows, n, xb, ldx, vec, ld, ring, sw, r, out, ldo, first ? &bad : nullptr);
         else if (n > MB_DOT_LEAF)
             rms_ring<true>(m0, rows, n, xb, ldx, vec, ring, r);
         else
@@ -147,16 +200,8 @@ MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx,
 #pragma unroll
                 for (int k = 0; k < RS_ROWS; k++) {
                     if (k >= rows) break;
-                    const int64_t e = (m0 + k) * ldx + 4 * j;
-                    if (first) {
-                        mb_note_nonfinite(v[k].x, e, &bad), mb_note_nonfinite(v[k].y, e + 1, &bad);
-                        mb_note_nonfinite(v[k].z, e + 2, &bad);
-                        mb_note_nonfinite(v[k].w, e + 3, &bad);
-                    }
-                    float4 o;
-                    o.x = (v[k].x * rr[k]) * wv.x, o.y = (v[k].y * rr[k]) * wv.y;
-                    o.z = (v[k].z * rr[k]) * wv.z, o.w = (v[k].w * rr[k]) * wv.w;
-                    *(float4 *)(out + (m0 + k) * ldo + 4 * j) = o;
+                    *(float4 *)(out + (m0 + k) * ldo + 4 * j) =
+                        rms_scale4(v[k], rr[k], wv, (m0 + k) * ldx + 4 * j, first, &bad);
                 }
             } else {
                 float v[RS_ROWS];
@@ -181,4 +226,5 @@ MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx,
 #undef RN_LD
 #undef RN_STAGES
 #undef RN_THREADS
+#undef RN_CHUNKS
 #undef RS_ROWS

@@ -65,6 +65,18 @@ MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /* Wait until at most N committed groups of this thread are still in flight. */
 template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
+/* mb_cp_wait<n> for an n known at run time (n >= 3 waits as 3 does, for fewer) */
+MB_DEV void mb_cp_wait_n(int n)
+{
+    if (n <= 0)
+        mb_cp_wait<0>();
+    else if (n == 1)
+        mb_cp_wait<1>();
+    else if (n == 2)
+        mb_cp_wait<2>();
+    else
+        mb_cp_wait<3>();
+}
 
 /* TF32 tensor cores (fast mode only): MB_MMA where the warp-wide
  * mma.m16n8k8.row.col TF32 product exists (NVIDIA; the emulation defines its own).
