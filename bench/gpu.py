@@ -125,6 +125,40 @@ def issue_ms(fn, reps=20):
     return statistics.median(out)
 
 
+def first_launch_ms(be, fn, reps=20):
+    """Median host ms from fn's start to its first kernel launch (the device of a
+    lone call idles through it), and of the host ms spent in be.intake (taking x in)
+    within that time."""
+    launch, intake = be._launch, be.intake
+    marks = {}
+
+    def spy_launch(*a, **k):
+        marks.setdefault("launch", time.perf_counter())
+        return launch(*a, **k)
+
+    def spy_intake(*a, **k):
+        t = time.perf_counter()
+        try:
+            return intake(*a, **k)
+        finally:
+            if "launch" not in marks:
+                marks["intake"] = marks.get("intake", 0.0) + time.perf_counter() - t
+    be._launch, be.intake = spy_launch, spy_intake
+    try:
+        first, into = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            marks.clear()
+            t0 = time.perf_counter()
+            fn()
+            first.append((marks["launch"] - t0) * 1e3)
+            into.append(marks.get("intake", 0.0) * 1e3)
+    finally:
+        del be._launch, be.intake  # the class's methods again
+    torch.cuda.synchronize()
+    return statistics.median(first), statistics.median(into)
+
+
 def kernel_table(fn):
     """Device time per kernel name over one call (torch's profiler sees our launches)."""
     from torch.profiler import profile, ProfilerActivity
@@ -226,6 +260,9 @@ def forward_rows(be, res, kinds, shapes, upstream_ok):
                         row[mode + "_span_ms"] = (max(e for _, _, e in tl) - tl[0][1]) / 1e3
                 except Exception as e:  # the profiler's event API differs between torch versions
                     row[mode + "_span_error"] = repr(e)
+                # host time before the first launch, and x's intake within it
+                row[mode + "_first_launch_ms"], row[mode + "_intake_ms"] = \
+                    first_launch_ms(be, lambda: blk.forward(x))
                 if wname == "W1":  # host time to issue one call (no wait)
                     row[mode + "_issue_ms"] = issue_ms(lambda: blk.forward(x))
                 del blk
