@@ -159,6 +159,21 @@ def first_launch_ms(be, fn, reps=20):
     return statistics.median(first), statistics.median(into)
 
 
+def intake_rows(be, res):
+    """Host us for be.intake to take in a torch.cuda tensor through each of its
+    exports (the start of every call on device arrays)."""
+    x = torch.randn(8, 4096, 1024, device="cuda")
+
+    class Cai:  # x through __cuda_array_interface__ alone
+        @property
+        def __cuda_array_interface__(self):
+            return x.__cuda_array_interface__
+    row = res.setdefault("intake", {})
+    for name, obj in (("dlpack", x), ("cuda_array_interface", Cai())):
+        row[name + "_us"] = 1e3 * issue_ms(lambda: be.intake(obj, "bench", "x", False), reps=50)
+    print("intake: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+
+
 def kernel_table(fn):
     """Device time per kernel name over one call (torch's profiler sees our launches)."""
     from torch.profiler import profile, ProfilerActivity
@@ -397,6 +412,7 @@ def main():
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
     try:
         if "forward" in only:
+            intake_rows(be, res)
             forward_rows(be, res, kinds, shapes, up)
         if "train" in only:
             train_rows(be, res, kinds, up)
