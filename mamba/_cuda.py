@@ -493,6 +493,21 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
     def _stream_of(self, number):
         return _Stream(self.cu, number, None).cu
 
+    def side_stream(self, s, M, K):
+        """This thread's second stream, made to wait for the work queued so far on s,
+        for a projection of M rows of K terms that the next one on s does not need:
+        the two grids then share the multiprocessors, each filling the other's last
+        wave. None where that gains nothing or is not safe: a few rows (the GEMV),
+        K past one leaf (the two would share the leaf scratch), a graph capture."""
+        if M <= GEMV_MAX_M or K > LEAF or self._capturing:
+            return None
+        side = getattr(self._guard, "side", None)
+        if side is None:
+            side = self._guard.side = self._ck(self.cu.cuStreamCreate(
+                int(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
+        self._wait(side, s)
+        return side
+
     def _wait(self, waiter, producer):
         """Make stream `waiter` wait for the work queued so far on `producer`."""
         cu = self.cu

@@ -251,7 +251,8 @@ class SsdMixin:
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
         (x, xn, [blocks]). Each output is the same dot product either way. conv goes
-        with the first block."""
+        with the first block. The second block's GEMM runs beside the others (on
+        side_stream), so no GEMM ends on a part-empty wave of its own."""
         C = self._ssd_fn()
         M = I["M"]
         xs = self._on_device(sc, x, copy=copy)
@@ -267,12 +268,17 @@ class SsdMixin:
                             parts, conv, keep)
             return xd, xn, blocks
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
-        blocks, col = [], 0
-        for n in widths:
-            blocks.append(sc(M * n))
-            self.gemm(s, M, n, dm, xn, dm, C._ptr(in_proj) + 4 * col * dm, dm, blocks[-1], n, parts,
-                      fast, conv=None if col else conv)
-            col += n
+        blocks, col = [sc(M * n) for n in widths], 0
+        side = self.side_stream(s, M, dm)
+        try:
+            for k, n in enumerate(widths):
+                self.gemm(side if k == 1 and side else s, M, n, dm, xn, dm,
+                          C._ptr(in_proj) + 4 * col * dm, dm, blocks[k], n, parts, fast,
+                          conv=None if col else conv)
+                col += n
+        finally:  # s's later work (and frees) come after the side's GEMM
+            if side:
+                self._wait(s, side)
         return xd, xn, blocks
 
     # ---------------------------------------------------------------- Mamba-2

@@ -169,6 +169,33 @@ def test_ssd_smem_bound_whoever_looks_first(be, name):
 
 
 @pytest.mark.parametrize("mode", ["identical", "fast"])
+def test_in_proj_side_stream(be, mode, monkeypatch):
+    """Mamba-3's in_proj in three blocks: the second block's GEMM runs on a second
+    stream that first waits for the call's stream (the norm), and the call's stream
+    waits for it before anything after the projections; the C reference's bits."""
+    gpu = make("mamba3", backend="cuda", numeric_mode=mode)
+    x = rand((2, BLOCKS["mamba3"]["length"], gpu.d_model), 41)
+    log, gemm, wait, launch = [], type(be).gemm, type(be)._wait, type(be)._launch
+    monkeypatch.setattr(type(be), "gemm", lambda self, s, *a, **k: log.append(
+        ("gemm", int(s))) or gemm(self, s, *a, **k))
+    monkeypatch.setattr(type(be), "_wait", lambda self, w, p: log.append(
+        ("wait", int(w), int(p))) or wait(self, w, p))
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: log.append(
+        (n, int(s))) or launch(self, s, n, *a, **k))
+    got = host(gpu.forward(be.copy(x)))
+    s = int(be.stream().cu)
+    side = [e[1] for e in log if e[0] == "gemm" and e[1] != s]
+    assert len(side) == 1, log
+    k = log.index(("gemm", side[0]))
+    assert ("wait", side[0], s) in log[:k], "the side stream does not wait for the norm"
+    join = log.index(("wait", s, side[0]))
+    assert join > k and [e for e in log[k + 1:join] if e[0] == "gemm"] == [("gemm", s)]
+    assert all(e[1] == s for e in log[join:] if len(e) == 2), "work on the side after the join"
+    if mode == "identical":
+        assert got == raw(make("mamba3", backend="cpu").forward(x))
+
+
+@pytest.mark.parametrize("mode", ["identical", "fast"])
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_early_front(be, name, mode, monkeypatch):
     """A stateless prefill of device x queues its front (norm and in_proj) before the
