@@ -220,6 +220,20 @@ class _Mem:
         be.release(lambda: (be._enter(), be.cu.cuMemFree(ptr)))
 
 
+class _SideStream:
+    """A thread's second stream (CudaBackend.side_stream), destroyed with the thread's
+    local data; work queued on it still completes."""
+
+    def __init__(self, be):
+        self.be = be
+        self.cu = be._ck(be.cu.cuStreamCreate(int(be.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                         "cuStreamCreate")
+
+    def __del__(self):
+        be, s = self.be, self.cu
+        be.release(lambda: (be._enter(), be.cu.cuStreamDestroy(s)))
+
+
 class _InputCheck:
     """A prefill's input check left to its norm (CudaBackend.first_nonfinite_later):
     a, the array (None once a norm took it); slot, the read-back slot whose device
@@ -503,10 +517,9 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             return None
         side = getattr(self._guard, "side", None)
         if side is None:
-            side = self._guard.side = self._ck(self.cu.cuStreamCreate(
-                int(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
-        self._wait(side, s)
-        return side
+            side = self._guard.side = _SideStream(self)
+        self._wait(side.cu, s)
+        return side.cu
 
     def _wait(self, waiter, producer):
         """Make stream `waiter` wait for the work queued so far on `producer`."""

@@ -111,6 +111,7 @@ class Driver:
         "cuDeviceGetAttribute": "hipDeviceGetAttribute",
         "cuLaunchKernel": "hipModuleLaunchKernel", "cuModuleGetFunction": "hipModuleGetFunction",
         "cuStreamCreate": "hipStreamCreateWithFlags", "cuStreamSynchronize": "hipStreamSynchronize",
+        "cuStreamDestroy": "hipStreamDestroy",
         "cuStreamWaitEvent": "hipStreamWaitEvent", "cuStreamBeginCapture": "hipStreamBeginCapture",
         "cuStreamEndCapture": "hipStreamEndCapture",
         "cuEventCreate": "hipEventCreateWithFlags", "cuEventRecord": "hipEventRecord",

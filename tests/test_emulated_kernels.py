@@ -7,10 +7,12 @@ kernel built with one deliberately wrong expression must be caught, and every ke
 of the library must have run. Skipped only where g++ (or, in a copy of tests/, the
 kernel sources) is missing. Numpy-free."""
 import array
+import gc
 import glob
 import math
 import os
 import re
+import threading
 
 import pytest
 
@@ -193,6 +195,25 @@ def test_in_proj_side_stream(be, mode, monkeypatch):
     assert all(e[1] == s for e in log[join:] if len(e) == 2), "work on the side after the join"
     if mode == "identical":
         assert got == raw(make("mamba3", backend="cpu").forward(x))
+
+
+def test_side_stream_per_thread(be):
+    """Each thread gets a side stream of its own, destroyed when the thread's data
+    goes (its queued work still runs)."""
+    gpu = make("mamba3", backend="cuda")
+    x = be.copy(rand((2, BLOCKS["mamba3"]["length"], gpu.d_model), 42))
+    sides, want = [], host(gpu.forward(x))
+
+    def call():
+        assert host(gpu.forward(x)) == want
+        sides.append(int(be._guard.side.cu))
+    for _ in range(2):
+        t = threading.Thread(target=call)
+        t.start()
+        t.join()
+    gc.collect()
+    assert len(set(sides)) == 2 and int(be._guard.side.cu) not in sides
+    assert set(sides) <= set(be.cu.destroyed_streams)
 
 
 @pytest.mark.parametrize("mode", ["identical", "fast"])

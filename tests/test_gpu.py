@@ -392,6 +392,24 @@ def test_stream_refused_by_type():
 
 
 @pytest.mark.gpu
+def test_m3_in_proj_side_stream(be, torch):
+    """Mamba-3's in_proj runs its x block's GEMM on a second stream and joins back. At
+    2048 rows the z and x GEMMs (64 blocks each) share the GPU: the bits are the
+    CPU's on the legacy stream and under mamba.stream of a torch stream, whose
+    consumer is then ordered after the whole call."""
+    dm = 256
+    cpu, gpu = make("mamba3", d_model=dm, backend="cpu"), make("mamba3", d_model=dm, backend="cuda")
+    x = rand((2, 1024, dm), 13)
+    want = raw(cpu.forward(x))
+    assert torch.from_dlpack(gpu.forward(dev(torch, x))).cpu().numpy().tobytes() == want
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), mamba.stream(side):
+        got = torch.from_dlpack(gpu.forward(dev(torch, x))).clone()
+    side.synchronize()
+    assert got.cpu().numpy().tobytes() == want
+
+
+@pytest.mark.gpu
 def test_caller_stream(be, torch):
     """Under mamba.stream(side) the work runs on a torch side stream. A forward's
     output says which stream wrote it and a consumer on that stream is ordered. A

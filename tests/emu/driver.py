@@ -63,6 +63,7 @@ class Driver:
         self.dependents = 0  # programmatic dependent launches
         self.error = b""
         self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
+        self.destroyed_streams = []
 
     @staticmethod
     def CUmemPoolProps():
@@ -204,6 +205,10 @@ class Driver:
     # ------------------------------------------------------------ streams, events, graphs
     def cuStreamCreate(self, flags):
         return OK + (next(self._streams),)
+
+    def cuStreamDestroy(self, stream):
+        self.destroyed_streams.append(int(stream))
+        return self._unsafe(lambda: OK)
 
     def cuStreamSynchronize(self, stream):
         return self._unsafe(lambda: OK)
