@@ -4,11 +4,12 @@ kernels (bench/upstream.py) on the same weights, device arrays in and out
 1024) and W3 = (1, 16384, 2048) in both numeric modes (upstream with TF32 off and
 on; upstream's W1 as a CUDA graph), the peak transient device memory of one forward,
 forward + backward at W2 (upstream through torch autograd), the projections' GEMMs
-against cuBLAS, and decode-session steps at d_model 1024, batch 1 and 32. Times are
+against cuBLAS, and decode-session steps at d_model 1024, batch 1 and 32 (and, asked
+for with `--only host`, a profile of the host's time in one forward). Times are
 CUDA-event medians after warm-up.
 
     python bench/gpu.py [--upstream mamba_ssm-2.3.2.post1.tar.gz] [--work DIR]
-                        [--only forward,train,gemm,decode] [--json PATH]
+                        [--only forward,train,gemm,decode,host] [--json PATH]
 """
 import argparse
 import json
@@ -172,6 +173,33 @@ def intake_rows(be, res):
     for name, obj in (("dlpack", x), ("cuda_array_interface", Cai())):
         row[name + "_us"] = 1e3 * issue_ms(lambda: be.intake(obj, "bench", "x", False), reps=50)
     print("intake: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+
+
+def host_rows(res, kinds, shapes, reps=50):
+    """Where the host's time in one identical forward goes (cProfile over reps calls,
+    each waited for): the functions with the most cumulative time, us a call."""
+    import cProfile
+    import pstats
+    for kind in kinds:
+        for wname, (B, L, dm) in shapes.items():
+            blk = CLASSES[kind](mamba.random_weights(kind, dm, seed=0), backend="cuda")
+            x = torch.randn(B, L, dm, device="cuda")
+            blk.forward(x)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            for _ in range(reps):
+                prof.enable()
+                blk.forward(x)
+                prof.disable()
+                torch.cuda.synchronize()
+            st = pstats.Stats(prof)
+            top = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:25]
+            row = res.setdefault("host", {}).setdefault(kind, {})[wname] = {
+                f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})": 1e6 * v[3] / reps
+                for fn, v in top}
+            print(f"host {kind} {wname}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()),
+                  flush=True)
+            del blk
 
 
 def kernel_table(fn):
@@ -420,6 +448,8 @@ def main():
             gemm_rows(be, res, shapes)
         if "decode" in only:
             decode_rows(res, kinds)
+        if "host" in only:
+            host_rows(res, kinds, shapes)
     finally:
         if args.json:
             with open(args.json, "w") as f:
