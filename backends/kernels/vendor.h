@@ -65,7 +65,8 @@ MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /* Wait until at most N committed groups of this thread are still in flight. */
 template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
-/* mb_cp_wait<n> for an n known at run time (n >= 3 waits as 3 does, for fewer) */
+/* mb_cp_wait<n> for an n known at run time; past 3 it waits as for 3 (for more of
+ * the copies than asked, never fewer) */
 MB_DEV void mb_cp_wait_n(int n)
 {
     if (n <= 0)
