@@ -296,7 +296,7 @@ def input_check_in_norm(be, name, mode, monkeypatch):
 
 
 NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000), (37, 1001),
-               (600, 1000), (40, 4000), (9, 4001)]
+               (600, 1000), (40, 4000), (9, 4001), (7, 24), (6, 13)]
 # (M, N, K) of the GEMV normalizing its rows itself: a row, a block's 8 rows and
 # one more, K a stage, not a multiple of 4, past a stage, Mamba-2's out_proj
 NORM_GEMVS = [(1, 40, 2048), (8, 33, 13), (9, 70, 1031), (64, 32, 256), (3, 1024, 2048)]
@@ -306,8 +306,8 @@ def rmsnorm_rows(be, M, n):
     """The device RMSNorm (rows held whole and scaled by mb_rms_k, all of them in one
     block or a few a block, or streamed through its ring with and without mb_dot's
     tree past 8192 terms, then mb_rms_scale_k: rows of 4k floats or not, fewer rows
-    than a block's 8, more than a grid's) gives the C reference's bits, also written
-    over its input."""
+    than a block's 8, more than a grid's; rows held whole shorter than their four
+    copy groups) gives the C reference's bits, also written over its input."""
     per = {(m, k): be._norm_whole(m, k) for m, k in NORM_SHAPES}
     assert {0, 1} <= {min(p, 1) for p in per.values()}, "the shapes take both paths"
     assert any(k <= 8192 and not p for (m, k), p in per.items()), "the ring without the tree"

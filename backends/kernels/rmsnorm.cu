@@ -156,8 +156,8 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
     unsigned long long bad = ~0ull;
     const int64_t R = out ? per : RN_ROWS;
     const int n4 = (int)(n + 3) / 4 * 4;
-    float *sw = ring + R * ld; /* w, after the rows: copied with the first rows' first group */
-    if (out)
+    float *sw = out ? ring + R * ld : nullptr; /* w after the rows, copied with the first group */
+    if (sw)
         mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, threadIdx.x, RN_THREADS);
     for (int64_t m0 = (int64_t)blockIdx.x * R; m0 < M; m0 += (int64_t)gridDim.x * R) {
         const int rows = M - m0 < R ? (int)(M - m0) : (int)R;
