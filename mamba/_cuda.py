@@ -221,20 +221,13 @@ class _Mem:
 
 
 class _SideStream:
-    """A thread's extra stream (CudaBackend.side_stream, .chunk_stream), destroyed
-    with the thread's local data; work queued on it still completes. high: of the
-    context's greatest priority, so its blocks take multiprocessors ahead of
-    default-priority grids already waiting."""
+    """A thread's second stream (CudaBackend.side_stream), destroyed with the thread's
+    local data; work queued on it still completes."""
 
-    def __init__(self, be, high=False):
-        self.be, cu = be, be.cu
-        flags = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        if high:
-            _, greatest = be._ck(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-            self.cu = be._ck(cu.cuStreamCreateWithPriority(flags, greatest),
-                             "cuStreamCreateWithPriority")
-        else:
-            self.cu = be._ck(cu.cuStreamCreate(flags), "cuStreamCreate")
+    def __init__(self, be):
+        self.be = be
+        self.cu = be._ck(be.cu.cuStreamCreate(int(be.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)),
+                         "cuStreamCreate")
 
     def __del__(self):
         be, s = self.be, self.cu
@@ -268,19 +261,10 @@ class _PoolMem:
 class _Scratch:
     """Stream-ordered scratch for one call: taken from the pool and returned on the
     call's stream, so the frees wait for the kernels that use it and nothing blocks
-    the host. While work is forked to other streams (forked), each free first waits
-    for their work queued so far."""
+    the host."""
 
     def __init__(self, be, s):
-        self.be, self.s, self.ptrs, self.forked = be, s, [], []
-
-    def join(self, end=False):
-        """The call's stream waits for the forked streams' work queued so far; end:
-        and no longer forked."""
-        for t in self.forked:
-            self.be._wait(self.s.cu, t)
-        if end:
-            self.forked = []
+        self.be, self.s, self.ptrs = be, s, []
 
     def __call__(self, nfloats):
         be = self.be
@@ -298,7 +282,6 @@ class _Scratch:
         return self
 
     def __exit__(self, *exc):
-        self.join()
         for p in self.ptrs:
             self.be.cu.cuMemFreeAsync(p, self.s.cu)
         return False
@@ -537,19 +520,6 @@ class CudaBackend(_cuda_ssd.SsdMixin, _cuda_grad.GradMixin, _cuda_back1.Back1Mix
             side = self._guard.side = _SideStream(self)
         self._wait(side.cu, s)
         return side.cu
-
-    def chunk_stream(self, s, M):
-        """This thread's high-priority stream, made to wait for the work queued so far
-        on s, for a prefill's chunk work that runs beside its last in_proj GEMMs: its
-        short kernels take multiprocessors as the GEMM's blocks retire instead of
-        after the whole grid. None for a few rows (the GEMV) or during a capture."""
-        if M <= GEMV_MAX_M or self._capturing:
-            return None
-        hp = getattr(self._guard, "chunk", None)
-        if hp is None:
-            hp = self._guard.chunk = _SideStream(self, high=True)
-        self._wait(hp.cu, s)
-        return hp.cu
 
     def _wait(self, waiter, producer):
         """Make stream `waiter` wait for the work queued so far on `producer`."""

@@ -73,7 +73,6 @@ def enabled():
 def _release(sc, *ptrs):
     """Hand scratch of a call's _Scratch back to the pool before the call ends, in
     the call's stream order, so its later allocations can take the memory."""
-    sc.join()
     for p in ptrs:
         sc.ptrs.remove(p)
         sc.be._ck(sc.be.cu.cuMemFreeAsync(p, sc.s.cu), "cuMemFreeAsync")
@@ -204,9 +203,7 @@ class SsdMixin:
         M, the norm's scratch and, where rows are packed (lengths), the plan's tables,
         which the front then reads (uploaded after it otherwise); parts: the
         projections' leaf scratch; blocks: in_proj's output as _front_cols gives it
-        (Mamba-3: z, x and the rest; Mamba-2: z and the rest, or one block for a
-        few rows, whose norm may run in the GEMV), of which only the last is queued
-        (_front_fork queues the others)."""
+        (Mamba-3: z, x and the rest; Mamba-2: one block)."""
         B, L = x.shape[0], x.shape[1]
         di, _, NP = (m3_dims if m3 else m2_dims)(dm)
         M = B * L if lengths is None else plan.M
@@ -214,8 +211,7 @@ class SsdMixin:
         I["M"], I["r"] = M, sc(M)
         nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
         parts = sc(nparts) if nparts else 0
-        gemv = M <= self._ssd_fn().GEMV_MAX_M
-        widths = (di, di, NP - 2 * di) if m3 else (NP,) if gemv else (di, NP - di)
+        widths = (di, di, NP - 2 * di) if m3 else (NP,)
         return (I, parts, *self._front_cols(s, sc, B, L, lengths, I, x, dm, w[0], w[1], widths,
                                             parts, fast))
 
@@ -254,9 +250,9 @@ class SsdMixin:
                     conv=None, keep=False, copy=False):
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
-        (x, xn, [blocks]). Each output is the same dot product either way. Of several
-        blocks only the last, which the chunk work reads, is queued here: the others
-        are _front_fork's, beside that work. conv goes with the first block."""
+        (x, xn, [blocks]). Each output is the same dot product either way. conv goes
+        with the first block. The second block's GEMM runs beside the others (on
+        side_stream), so no GEMM ends on a part-empty wave of its own."""
         C = self._ssd_fn()
         M = I["M"]
         xs = self._on_device(sc, x, copy=copy)
@@ -266,39 +262,24 @@ class SsdMixin:
             self._launch(s, "mb_pack_rows_k", (self._grid(B * L * dm),), C.THREADS,
                          B, L, dm, I["off"], xd, xs)
         xn = sc(M * dm)
-        blocks = [sc(M * n) for n in widths]
         if len(widths) == 1:  # the norm may then run in in_proj's GEMV
+            blocks = [sc(M * widths[0])]
             self._norm_gemm(s, fast, M, dm, xs, norm_w, xn, I["r"], widths[0], in_proj, blocks[0],
                             parts, conv, keep)
             return xd, xn, blocks
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
-        n = widths[-1]
-        self.gemm(s, M, n, dm, xn, dm, C._ptr(in_proj) + 4 * (sum(widths) - n) * dm, dm,
-                  blocks[-1], n, parts, fast)
-        return xd, xn, blocks
-
-    def _front_fork(self, s, sc, M, dm, xn, in_proj, widths, blocks, parts, fast):
-        """The stream for the chunk work that reads in_proj's last block (queued by
-        _front_cols): chunk_stream's, else s; then the other blocks' GEMMs, queued
-        after that stream forks, so the chunk work runs beside them. The second of
-        three runs on side_stream beside the first, so neither ends on a part-empty
-        wave of its own. Until sc.join(end=True), sc's frees wait for the chunk work
-        queued before them: work on s after the fork must not free what it touches."""
-        C = self._ssd_fn()
-        hp = self.chunk_stream(s, M)
-        if hp:
-            sc.forked.append(hp)
-        side = self.side_stream(s, M, dm) if len(widths) > 2 else None
+        blocks, col = [sc(M * n) for n in widths], 0
+        side = self.side_stream(s, M, dm)
         try:
-            col = 0
-            for k, n in enumerate(widths[:-1]):
+            for k, n in enumerate(widths):
                 self.gemm(side if k == 1 and side else s, M, n, dm, xn, dm,
-                          C._ptr(in_proj) + 4 * col * dm, dm, blocks[k], n, parts, fast)
+                          C._ptr(in_proj) + 4 * col * dm, dm, blocks[k], n, parts, fast,
+                          conv=None if col else conv)
                 col += n
         finally:  # s's later work (and frees) come after the side's GEMM
             if side:
                 self._wait(s, side)
-        return hp or s
+        return xd, xn, blocks
 
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
@@ -317,62 +298,54 @@ class SsdMixin:
         plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
         back = []
-        sc, (I, parts, xd, xn, blocks) = self._begin(st, x, lengths, plan, w, dm, fast, False,
-                                                     early)
+        sc, (I, parts, xd, xn, (zx,)) = self._begin(st, x, lengths, plan, w, dm, fast, False,
+                                                    early)
         with sc:
             if lengths is None:
                 I.update(plan.upload(sc))
             cw, h, bx, bd = (self._on_device(sc, p, back) for p in pieces)
             yd = self._out(sc, y, back)
-            # z, and xBC with dt (rows lr apart) on which the chunk work runs (t)
-            if len(blocks) == 2:
-                (z, xbc), lz, lr = blocks, di, NP - di
-                t = self._front_fork(s, sc, M, dm, xn, in_proj, (di, NP - di), blocks, parts,
-                                     fast)
-            else:
-                z, lz, lr, t = blocks[0], NP, NP, s
-                xbc = z + 4 * di
+            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             # conv + silu over xBC, then the ext rows: buffered ones, then new ones
             # (with none buffered, the conv's packed rows are the ext rows already)
             direct = buffered_tokens == 0
             U, DTR = sc(E * CD), sc(E * H)
             unew = U if direct else sc(M * CD)
-            self._launch(t, self.kname("conv_silu_k", fast),
+            xbc = zx + 4 * di
+            self._launch(s, self.kname("conv_silu_k", fast),
                          self._rows_grid(C._cdiv(L, C.CONV_RUN) * CD, B), C.THREADS,
-                         B, I["off"], CD, xbc, lr, cw, conv_w, conv_b, unew, CD)
-            self._launch(t, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
-                         B, I["off"], CD, xbc, lr, cw)
-            for buf, ext, W, src, lds in ((bx, U, CD, unew, CD), (bd, DTR, H, xbc + 4 * CD, lr)):
+                         B, I["off"], CD, xbc, NP, cw, conv_w, conv_b, unew, CD)
+            self._launch(s, "mb_conv_window_k", (self._grid(B * CD),), C.THREADS,
+                         B, I["off"], CD, xbc, NP, cw)
+            for buf, ext, W, src, lds in ((bx, U, CD, unew, CD), (bd, DTR, H, xbc + 4 * CD, NP)):
                 if ext == src:
                     continue
-                if not direct:
-                    self._launch(t, "mb_ssd_load_k", self._rows_grid(M2_Q * W, B), C.THREADS,
+                if not direct:  # none buffered: none to load
+                    self._launch(s, "mb_ssd_load_k", self._rows_grid(M2_Q * W, B), C.THREADS,
                                  B, I["eoff"], I["t0"], M2_Q, W, buf, ext)
-                self._launch(t, "mb_ssd_put_k", self._rows_grid(L * W, B), C.THREADS,
+                self._launch(s, "mb_ssd_put_k", self._rows_grid(L * W, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], W, src, lds, ext)
-            # the working chunk into the state's buffers, then the chunks: dt and
-            # cumsums, G, each chunk's contraction, the state pass, the outputs
-            for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
-                self._launch(t, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
-                             B, I["store"], M2_Q, W, ext, buf)
+            # the chunks: dt and cumsums, G, each chunk's contraction, the state pass,
+            # the outputs
             dt, dA, cs = sc(NC * H * M2_Q), sc(NC * H * M2_Q), sc(NC * H * M2_Q)
-            self._m2_prep(t, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
+            self._m2_prep(s, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
-            self._launch(t, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
+            self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
-            self._launch(t, fold_k, (NC, H), FOLD_THREADS,
+            self._launch(s, fold_k, (NC, H), FOLD_THREADS,
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
-            self._launch(t, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
-            sc.join(end=True)
-            _release(sc, xn, *blocks[1:])  # out_proj takes their scratch
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
                          M2Y_THREADS if tc else TILE_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
-                         cs, hck, D, z, lz, 0, yg, smem=0 if tc else M2YI_SMEM)
+                         cs, hck, D, zx, NP, 0, yg, smem=0 if tc else M2YI_SMEM)
+            for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
+                self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
+                             B, I["store"], M2_Q, W, ext, buf)
             # the gated norm, out_proj, residual
-            _release(sc, z, U, DTR, dt, dA, cs, G, S, Ec, *(() if direct else (unew,)))
+            _release(sc, zx, U, DTR, dt, dA, cs, G, S, Ec, *(() if direct else (unew,)))
             self._back(s, B, L, dm, di, M, I["off"], yg, out_proj, xd, sc(M * dm), yd, parts,
                        fast, gnorm=(gnorm_w, I["r"]))
             self._finish(st, back)
@@ -468,10 +441,8 @@ class SsdMixin:
             theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
             rep = [self._out(sc, a, back) for a in reports]
             yd = self._out(sc, y, back)
-            # the chunk work's first part (on t) runs beside the z and x GEMMs
-            t = self._front_fork(s, sc, M, dm, xn, in_proj, (di, di, NR), (z, xv, R), parts,
-                                 fast)
-            Bn, Cn = self._m3_bc_norms(t, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
+            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
+            Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
             direct = buffered_tokens == 0
             # (fast mode's Q and K hold each row's last chunk alone, as the state does:
@@ -483,27 +454,25 @@ class SsdMixin:
             bufs = ((bq, Q, H * NS, qk_at), (bk, K, H * NS, qk_at), (bv, V, di, ext_at),
                     (bdt, DT, H, ext_at), (bsig, SIG, H, ext_at), (badt, ADT, H, ext_at))
             for buf, ext, W, (at, _) in bufs if not direct else ():  # none buffered: none to load
-                self._launch(t, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
+                self._launch(s, "mb_ssd_load_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, I["t0"], M3_Q, W, buf, ext)
-            self.m3_prep(t, sc, B, L, I, H, 0, NR, R, dt_bias, Bn, Cn, B_bias, C_bias,
+            self.m3_prep(s, sc, B, L, I, H, 0, NR, R, dt_bias, Bn, Cn, B_bias, C_bias,
                          DT, SIG, ADT, QKG, TA)
-            rot = ()
-            if tc:  # each new token's angles TH; q and k rotated where used (ssd3.cu)
-                TH = sc(M * H * NA)
-                rot = (Bn, Cn, B_bias, C_bias, TH)
-                self._launch(t, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
-                             M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
-                             theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
-            else:
-                self._m3_angles(t, B, H, I, TA, DT, theta, Q, rep[3])
-                self._launch(t, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
-                             B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
-            sc.join(end=True)
-            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             if not direct:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
+            rot = ()
+            if tc:  # each new token's angles TH; q and k rotated where used (ssd3.cu)
+                TH = sc(M * H * NA)
+                rot = (Bn, Cn, B_bias, C_bias, TH)
+                self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
+                             M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
+                             theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
+            else:
+                self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
+                self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
+                             B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             _release(sc, R, TA, *(() if tc else (Bn, Cn)))
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,

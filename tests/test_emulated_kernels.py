@@ -170,71 +170,50 @@ def test_ssd_smem_bound_whoever_looks_first(be, name):
     assert fresh.cu.smem_bound.get(name, 0) >= _cuda_ssd.SMEM[name]
 
 
-CHUNK_WORK = {"mamba2": "mb_ssd_chain_k", "mamba3": "mb_m3_prep_k"}
-
-
 @pytest.mark.parametrize("mode", ["identical", "fast"])
-@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
-@pytest.mark.parametrize("stateful", [False, True])
-def test_chunk_work_beside_in_proj(be, name, mode, stateful, monkeypatch):
-    """A prefill's chunk work runs on the thread's high-priority stream beside the
-    in_proj GEMMs it does not read. That stream forks from the call's stream after
-    the GEMM of in_proj's last block and after every upload and fill the call queues
-    (a zero state's included); the other GEMMs are queued after the fork (Mamba-3's
-    x block on the side stream); until the join, each free on the call's stream
-    waits for the chunk work queued before it; after the join nothing runs on the
-    fork. The C reference's bits, with and without a carried state."""
-    gpu = make(name, backend="cuda", numeric_mode=mode)
-    x = rand((2, BLOCKS[name]["length"], gpu.d_model), 41)
-    st = gpu.allocate_state(2) if stateful else None
-    log, drv = [], be.cu
-    for f, kind in (("gemm", "gemm"), ("_launch", None), ("_wait", "wait")):
-        orig = getattr(type(be), f)
-        monkeypatch.setattr(type(be), f, lambda self, s, *a, _o=orig, _k=kind, **k: log.append(
-            (_k or a[0], int(s), *([int(a[0])] if _k == "wait" else []))) or _o(self, s, *a, **k))
-    for f, at in (("cuMemFreeAsync", 1), ("cuMemsetD32Async", 3), ("cuMemcpyHtoDAsync", 3)):
-        orig = getattr(drv, f)
-        monkeypatch.setattr(drv, f, lambda *a, _o=orig, _f=f, _at=at: log.append(
-            (_f, int(a[_at]))) or _o(*a))
-    xd = be.copy(x)
-    got = host(gpu.forward(xd, st))
-    s, hp = int(be.stream().cu), int(be._guard.chunk.cu)
-    fork, join = log.index(("wait", hp, s)), len(log) - 1 - log[::-1].index(("wait", s, hp))
-    assert [e for e in log[:fork] if e[0] == "gemm"] == [("gemm", s)]
-    assert (CHUNK_WORK[name], hp) in log[fork:join]
-    after = [e for e in log[fork:] if e[0] == "gemm"]
-    assert after[0] == ("gemm", s) and len(after) == (3 if name == "mamba3" else 2)
-    assert not [e for e in log[fork:join] if e[0] in ("cuMemsetD32Async", "cuMemcpyHtoDAsync")
-                and e[1] == s], "the chunk work may read what the call's stream writes late"
-    for k in range(fork, join):
-        if log[k] == ("cuMemFreeAsync", s):
-            last = max(i for i in range(k) if log[i][1] == hp and log[i][0] != "wait")
-            assert ("wait", s, hp) in log[last:k], f"a free before the chunk work it follows: {k}"
-    assert all(e[1] != hp for e in log[join:]), "work on the fork after the join"
+def test_in_proj_side_stream(be, mode, monkeypatch):
+    """Mamba-3's in_proj in three blocks: the second block's GEMM runs on a second
+    stream that first waits for the call's stream (the norm), and the call's stream
+    waits for it before anything after the projections; the C reference's bits."""
+    gpu = make("mamba3", backend="cuda", numeric_mode=mode)
+    x = rand((2, BLOCKS["mamba3"]["length"], gpu.d_model), 41)
+    log, gemm, wait, launch = [], type(be).gemm, type(be)._wait, type(be)._launch
+    monkeypatch.setattr(type(be), "gemm", lambda self, s, *a, **k: log.append(
+        ("gemm", int(s))) or gemm(self, s, *a, **k))
+    monkeypatch.setattr(type(be), "_wait", lambda self, w, p: log.append(
+        ("wait", int(w), int(p))) or wait(self, w, p))
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: log.append(
+        (n, int(s))) or launch(self, s, n, *a, **k))
+    got = host(gpu.forward(be.copy(x)))
+    s = int(be.stream().cu)
+    side = [e[1] for e in log if e[0] == "gemm" and e[1] != s]
+    assert len(side) == 1, log
+    k = log.index(("gemm", side[0]))
+    assert ("wait", side[0], s) in log[:k], "the side stream does not wait for the norm"
+    join = log.index(("wait", s, side[0]))
+    assert join > k and [e for e in log[k + 1:join] if e[0] == "gemm"] == [("gemm", s)]
+    assert all(e[1] == s for e in log[join:] if len(e) == 2), "work on the side after the join"
     if mode == "identical":
-        cpu = make(name, backend="cpu")
-        assert got == raw(cpu.forward(x, cpu.allocate_state(2) if stateful else None))
+        assert got == raw(make("mamba3", backend="cpu").forward(x))
 
 
 def test_side_stream_per_thread(be):
-    """Each thread gets side and chunk streams of its own, destroyed when the
-    thread's data goes (their queued work still runs)."""
+    """Each thread gets a side stream of its own, destroyed when the thread's data
+    goes (its queued work still runs)."""
     gpu = make("mamba3", backend="cuda")
     x = be.copy(rand((2, BLOCKS["mamba3"]["length"], gpu.d_model), 42))
     sides, want = [], host(gpu.forward(x))
 
     def call():
         assert host(gpu.forward(x)) == want
-        sides.extend((int(be._guard.side.cu), int(be._guard.chunk.cu)))
+        sides.append(int(be._guard.side.cu))
     for _ in range(2):
         t = threading.Thread(target=call)
         t.start()
         t.join()
     gc.collect()
-    mine = {int(be._guard.side.cu), int(be._guard.chunk.cu)}
-    assert len(set(sides)) == 4 and not mine & set(sides)
+    assert len(set(sides)) == 2 and int(be._guard.side.cu) not in sides
     assert set(sides) <= set(be.cu.destroyed_streams)
-    assert be.cu.priorities[int(be._guard.chunk.cu)] == be.cu.PRIORITIES[1]
 
 
 @pytest.mark.parametrize("mode", ["identical", "fast"])

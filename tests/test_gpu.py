@@ -392,15 +392,13 @@ def test_stream_refused_by_type():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
-def test_chunk_work_beside_in_proj(be, torch, name):
-    """A prefill's chunk work runs on a high-priority stream beside the in_proj GEMMs
-    it does not read (Mamba-3's x block on a side stream beside its z block), all
-    joined back. At 2048 rows they share the GPU: the bits are the CPU's, stateless
-    and with a carried state (output and state), on the legacy stream and under
-    mamba.stream of a torch stream, whose consumer is then ordered after the call."""
+def test_m3_in_proj_side_stream(be, torch):
+    """Mamba-3's in_proj runs its x block's GEMM on a second stream and joins back. At
+    2048 rows the z and x GEMMs (64 blocks each) share the GPU: the bits are the
+    CPU's on the legacy stream and under mamba.stream of a torch stream, whose
+    consumer is then ordered after the whole call."""
     dm = 256
-    cpu, gpu = make(name, d_model=dm, backend="cpu"), make(name, d_model=dm, backend="cuda")
+    cpu, gpu = make("mamba3", d_model=dm, backend="cpu"), make("mamba3", d_model=dm, backend="cuda")
     x = rand((2, 1024, dm), 13)
     want = raw(cpu.forward(x))
     assert torch.from_dlpack(gpu.forward(dev(torch, x))).cpu().numpy().tobytes() == want
@@ -409,11 +407,6 @@ def test_chunk_work_beside_in_proj(be, torch, name):
         got = torch.from_dlpack(gpu.forward(dev(torch, x))).clone()
     side.synchronize()
     assert got.cpu().numpy().tobytes() == want
-    st_c, st_g = cpu.allocate_state(2), gpu.allocate_state(2)
-    for part in (time_slice(x, 0, 700), time_slice(x, 700, 1024)):
-        assert torch.from_dlpack(gpu.forward(dev(torch, part), st_g)).cpu().numpy().tobytes() \
-            == raw(cpu.forward(part, st_c))
-    assert state_bytes(st_g) == state_bytes(st_c)
 
 
 @pytest.mark.gpu

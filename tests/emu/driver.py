@@ -42,7 +42,6 @@ class Driver:
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CU_STREAM_LEGACY, CU_STREAM_PER_THREAD = 1, 2
     CU_MEMHOSTALLOC_DEVICEMAP = 2
-    PRIORITIES = (0, -5)  # least, greatest, as on sm_90
     CUstream = staticmethod(int)
     cuuint64_t = staticmethod(int)
     ATTRIBUTES = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9,
@@ -65,7 +64,6 @@ class Driver:
         self.error = b""
         self._streams = itertools.count(16)  # clear of the legacy and per-thread numbers
         self.destroyed_streams = []
-        self.priorities = {}  # stream -> the priority it was created with
 
     @staticmethod
     def CUmemPoolProps():
@@ -207,15 +205,6 @@ class Driver:
     # ------------------------------------------------------------ streams, events, graphs
     def cuStreamCreate(self, flags):
         return OK + (next(self._streams),)
-
-    def cuStreamCreateWithPriority(self, flags, priority):
-        assert self.PRIORITIES[1] <= priority <= self.PRIORITIES[0]
-        stream = next(self._streams)
-        self.priorities[stream] = priority
-        return OK + (stream,)
-
-    def cuCtxGetStreamPriorityRange(self):
-        return OK + self.PRIORITIES
 
     def cuStreamDestroy(self, stream):
         self.destroyed_streams.append(int(stream))
