@@ -1,6 +1,6 @@
 /* dot v1's serial chain over a tile staged in shared memory (mb_stage_rows): the
  * decode GEMV and the RMSNorm sum of squares walk it; and RMSNorm rows held whole
- * in shared memory (mb_norm_rows), which rmsnorm.cu and the decode GEMV share. */
+ * in shared memory (mb_norm_rows, the decode GEMV's). */
 #ifndef MB_CHAIN_H
 #define MB_CHAIN_H
 
@@ -50,13 +50,24 @@ MB_DEV float mb_chain_tile(float acc, const float *x, const float *w, int kc)
 /* r of a row of n from its sum of squares ss (reference/norm.c) */
 MB_DEV float mb_rms_r(float ss, int64_t n) { return mb_rsqrt(ss / (float)n + MB_EPS); }
 
+/* acc continued over the squares of a staged row's terms past its last whole 16 */
+MB_DEV float mb_sumsq_tail(float acc, const float *t, int64_t n)
+{
+    for (int k = (int)n / 16 * 16; k < n; k++) acc = fmaf(t[k], t[k], acc);
+    return acc;
+}
+
 /* dot v1 of a row with itself, the row staged whole (16-byte aligned, padded by 8) */
 MB_DEV float mb_sumsq_row(const float *t, int64_t n)
 {
-    const int n16 = (int)n / 16 * 16;
-    float acc = mb_chain_tile<true>(0.0f, t, t, n16);
-    for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
-    return acc;
+    return mb_sumsq_tail(mb_chain_tile<true>(0.0f, t, t, (int)n / 16 * 16), t, n);
+}
+
+/* w's n terms staged at sw (padded to 4; a copy group of the caller's) */
+MB_DEV void mb_stage_w(float *sw, const float *w, int64_t n, int tid, int nthreads)
+{
+    const int n4 = (int)(n + 3) / 4 * 4;
+    mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, nthreads);
 }
 
 /* Rows [0, rows) of src (n terms, ldx apart; rows <= the block's threads) staged
@@ -70,7 +81,7 @@ MB_DEV const float *mb_norm_rows(float *sm, int ld, const float *src, int64_t ld
     const int n4 = (int)(n + 3) / 4 * 4;
     float *sw = sm + rows * ld;
     mb_stage_rows(sm, ld, src, ldx, rows, n4, 0, n, vec, tid, nthreads);
-    mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, tid, nthreads);
+    mb_stage_w(sw, w, n, tid, nthreads);
     mb_cp_commit();
     mb_cp_wait<0>();
     __syncthreads();

@@ -21,17 +21,22 @@
 #define RN_THREADS 128
 #define RN_CHUNKS 4
 
-/* (v * r) * w of four terms, noting the non-finite ones (flat index e on) in bad
- * where check is set */
+/* (v * r) * w, noting v (flat index e) in bad where check is set and v is not finite */
+MB_DEV float rms_scale1(float v, float r, float w, int64_t e, bool check, unsigned long long *bad)
+{
+    if (check) mb_note_nonfinite(v, e, bad);
+    return (v * r) * w;
+}
+
+/* rms_scale1 of four terms (flat indices e on) */
 MB_DEV float4 rms_scale4(float4 v, float r, float4 w, int64_t e, bool check,
                          unsigned long long *bad)
 {
-    if (check) {
-        mb_note_nonfinite(v.x, e, bad), mb_note_nonfinite(v.y, e + 1, bad);
-        mb_note_nonfinite(v.z, e + 2, bad), mb_note_nonfinite(v.w, e + 3, bad);
-    }
     float4 o;
-    o.x = (v.x * r) * w.x, o.y = (v.y * r) * w.y, o.z = (v.z * r) * w.z, o.w = (v.w * r) * w.w;
+    o.x = rms_scale1(v.x, r, w.x, e, check, bad);
+    o.y = rms_scale1(v.y, r, w.y, e + 1, check, bad);
+    o.z = rms_scale1(v.z, r, w.z, e + 2, check, bad);
+    o.w = rms_scale1(v.w, r, w.w, e + 3, check, bad);
     return o;
 }
 
@@ -64,8 +69,7 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
         if (tid < rows && k < k1) acc = mb_chain_tile<true>(acc, t + k, t + k, k1 - k);
     }
     if (tid < rows) {
-        for (int k = n16; k < n; k++) acc = fmaf(t[k], t[k], acc);
-        rr[tid] = mb_rms_r(acc, n);
+        rr[tid] = mb_rms_r(mb_sumsq_tail(acc, t, n), n);
         r[m0 + tid] = rr[tid];
     }
     __syncthreads();
@@ -79,11 +83,8 @@ MB_DEV void rms_whole(int64_t m0, int rows, int64_t n, const float *xb, int64_t 
                     rms_scale4(v, rr[m], *(const float4 *)(sw + j), e + j, bad != nullptr, bad);
             }
         else
-            for (int j = tid; j < n; j += RN_THREADS) {
-                const float v = sm[m * ld + j];
-                if (bad) mb_note_nonfinite(v, e + j, bad); /* the input check */
-                out[o + j] = (v * rr[m]) * sw[j];
-            }
+            for (int j = tid; j < n; j += RN_THREADS)
+                out[o + j] = rms_scale1(sm[m * ld + j], rr[m], sw[j], e + j, bad != nullptr, bad);
     }
     __syncthreads();
 }
@@ -155,10 +156,9 @@ mb_rms_k(int64_t M, int64_t n, const float *x, int64_t ldx, float *r, const floa
     const int ld = (int)((n + 31) / 32 * 32 + 4); /* a whole row's stride */
     unsigned long long bad = ~0ull;
     const int64_t R = out ? per : RN_ROWS;
-    const int n4 = (int)(n + 3) / 4 * 4;
     float *sw = out ? ring + R * ld : nullptr; /* w after the rows, copied with the first group */
     if (sw)
-        mb_stage_rows(sw, n4, w, 0, 1, n4, 0, n, ((uintptr_t)w & 15) == 0, threadIdx.x, RN_THREADS);
+        mb_stage_w(sw, w, n, threadIdx.x, RN_THREADS);
     for (int64_t m0 = (int64_t)blockIdx.x * R; m0 < M; m0 += (int64_t)gridDim.x * R) {
         const int rows = M - m0 < R ? (int)(M - m0) : (int)R;
         const float *xb = x + m0 * ldx;
@@ -212,8 +212,8 @@ MB_KERNEL void mb_rms_scale_k(int64_t M, int64_t n, const float *x, int64_t ldx,
 #pragma unroll
                 for (int k = 0; k < RS_ROWS; k++) {
                     if (k >= rows) break;
-                    if (first) mb_note_nonfinite(v[k], (m0 + k) * ldx + j, &bad);
-                    out[(m0 + k) * ldo + j] = (v[k] * rr[k]) * wj;
+                    out[(m0 + k) * ldo + j] = rms_scale1(v[k], rr[k], wj, (m0 + k) * ldx + j,
+                                                         first, &bad);
                 }
             }
         }
