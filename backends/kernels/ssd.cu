@@ -209,69 +209,73 @@ MB_DEV void ssd_mma(float (&acc)[RN][CN], const float *a, int lda, const float *
     if (k < k1) ssd_fma(acc, x[0], y[0]);
 }
 
-/* ssd_mma for 8 consecutive rows where row r takes term k only when k < lim + r (the
+/* ssd_mma for RN consecutive rows where row r takes term k only when k < lim + r (the
  * causal masks): the terms every row takes, then the few that only some rows take. */
-template <int CN, int CG>
-MB_DEV void ssd_mma_tri(float (&acc)[8][CN], const float *a, int lda, const float *b, int ldb,
+template <int RN, int CN, int CG>
+MB_DEV void ssd_mma_tri(float (&acc)[RN][CN], const float *a, int lda, const float *b, int ldb,
                         int k0, int k1, int lim)
 {
-    const int kf = lim < k0 ? k0 : lim < k1 ? lim : k1, ke = lim + 7 < k1 ? lim + 7 : k1;
-    ssd_mma<8, 4, CN, CG>(acc, a, lda, b, ldb, k0, kf);
+    const int kf = lim < k0 ? k0 : lim < k1 ? lim : k1;
+    const int ke = lim + RN - 1 < k1 ? lim + RN - 1 : k1;
+    ssd_mma<RN, 4, CN, CG>(acc, a, lda, b, ldb, k0, kf);
     for (int k = kf; k < ke; k++) {
-        float x[8], y[CN];
-        ssd_frag<8, 4, CN, CG>(x, y, a, lda, b, ldb, k);
+        float x[RN], y[CN];
+        ssd_frag<RN, 4, CN, CG>(x, y, a, lda, b, ldb, k);
 #pragma unroll
-        for (int r = 0; r < 8; r++)
+        for (int r = 0; r < RN; r++)
             if (k < lim + r)
 #pragma unroll
                 for (int q = 0; q < CN; q++) acc[r][q] = fmaf(x[r], y[q], acc[r][q]);
     }
 }
 
-/* The 64 x 64 tiles of mb_m2_g_k, mb_m2_y_k and mb_m3_y_k: SSD_UT threads, thread t
- * holding rows ssd_r(t) + (0..7) and columns ssd_c(t) + (0..3), + 32 + (0..3), of
- * operands staged [k][SSD_LD]. The padding keeps the float4 stores of a transposing
- * stage (8 consecutive k a quarter-warp) on distinct banks. */
+/* The 64 x 64 tiles of mb_m2_g_k, mb_m2_y_k and mb_m3_y_k: 512 / RN threads, thread
+ * t holding rows ssd_r<RN>(t) + (0..RN-1) and columns ssd_c(t) + (0..3), + 32 + (0..3),
+ * of operands staged [k][SSD_LD]. The padding keeps the float4 stores of a transposing
+ * stage (8 consecutive k a quarter-warp) on distinct banks. RN = 8 (SSD_UT threads)
+ * holds the most outputs a thread; RN = 4 runs twice the warps on half the registers. */
 #define SSD_UT 64
 #define SSD_LD 68
-MB_DEV int ssd_r(int t) { return 8 * (t / 8); }
+template <int RN = 8> MB_DEV int ssd_r(int t) { return RN * (t / 8); }
 MB_DEV int ssd_c(int t) { return 4 * (t % 8); }
 /* column q < 8 of thread t */
 MB_DEV int ssd_cq(int t, int q) { return ssd_c(t) + (q < 4 ? q : 28 + q); }
 
-MB_DEV void ssd_mma64(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
+template <int RN = 8>
+MB_DEV void ssd_mma64(float (&acc)[RN][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
                       int k0, int k1)
 {
     const int t = threadIdx.x;
-    ssd_mma<8, 4, 8, 32>(acc, &a[0][ssd_r(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1);
+    ssd_mma<RN, 4, 8, 32>(acc, &a[0][ssd_r<RN>(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1);
 }
 
-MB_DEV void ssd_mma64_tri(float (&acc)[8][8], const float (*a)[SSD_LD], const float (*b)[SSD_LD],
-                          int k0, int k1, int lim)
+template <int RN = 8>
+MB_DEV void ssd_mma64_tri(float (&acc)[RN][8], const float (*a)[SSD_LD],
+                          const float (*b)[SSD_LD], int k0, int k1, int lim)
 {
     const int t = threadIdx.x;
-    ssd_mma_tri<8, 32>(acc, &a[0][ssd_r(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1,
-                       lim + ssd_r(t));
+    ssd_mma_tri<RN, 8, 32>(acc, &a[0][ssd_r<RN>(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1,
+                           lim + ssd_r<RN>(t));
 }
 
 /* ssd_mma64 on operands staged as they lie in memory (rows k-contiguous, as cp.async
  * copies them; lda, ldb multiples of 4, 4 mod 32 at best): acc[r][q] continued over
  * the K terms of row a + r lda and row b + 8 q ldb, four terms a float4 of each row.
- * Thread t passes its rows ssd_r(t) and column rows t % 8 (a quarter-warp reads 8
+ * Thread t passes its rows ssd_r<RN>(t) and column rows t % 8 (a quarter-warp reads 8
  * consecutive rows: distinct banks), so its outputs are columns t % 8 + 8 q. */
-template <int K, int LDA, int LDB>
-MB_DEV void ssd_mma_rows(float (&acc)[8][8], const float *a, const float *b)
+template <int K, int LDA, int LDB, int RN = 8>
+MB_DEV void ssd_mma_rows(float (&acc)[RN][8], const float *a, const float *b)
 {
 #pragma unroll
     for (int k = 0; k < K; k += 4) {
-        float4 x[8], y[8];
+        float4 x[RN], y[8];
 #pragma unroll
-        for (int r = 0; r < 8; r++) x[r] = *(const float4 *)(a + r * LDA + k);
+        for (int r = 0; r < RN; r++) x[r] = *(const float4 *)(a + r * LDA + k);
 #pragma unroll
         for (int q = 0; q < 8; q++) y[q] = *(const float4 *)(b + 8 * q * LDB + k);
-        float xs[4][8], ys[4][8];
+        float xs[4][RN], ys[4][8];
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
+        for (int r = 0; r < RN; r++) {
             xs[0][r] = x[r].x, xs[1][r] = x[r].y;
             xs[2][r] = x[r].z, xs[3][r] = x[r].w;
         }
@@ -291,10 +295,12 @@ MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' colum
  * float4 reads on distinct banks). ssd_mma_stage: the thread's products of a slot. */
 #define SSD_RK 16
 #define SSD_RLD 20
-MB_DEV void ssd_mma_stage(float (&acc)[8][8], const float (*slot)[64][SSD_RLD])
+template <int RN = 8>
+MB_DEV void ssd_mma_stage(float (&acc)[RN][8], const float (*slot)[64][SSD_RLD])
 {
     const int t = threadIdx.x;
-    ssd_mma_rows<SSD_RK, SSD_RLD, SSD_RLD>(acc, &slot[0][ssd_r(t)][0], &slot[1][t % 8][0]);
+    ssd_mma_rows<SSD_RK, SSD_RLD, SSD_RLD, RN>(acc, &slot[0][ssd_r<RN>(t)][0],
+                                                &slot[1][t % 8][0]);
 }
 
 /* The four floats at x (16-byte aligned) times f, in place: a copied piece readied by
@@ -329,32 +335,32 @@ MB_DEV void ssd_exp_seg(const float (&s)[N], float (&e)[N])
  * col.., y = Y + x * D with XD (x's row i at x + i ldx), into yb and gated, y *
  * silu(z), into yg (either may be null; z of token tok at z + tok ldz, 16-byte aligned
  * when ldz is a multiple of 4; yg may be z itself, each z read by the thread that
- * writes it). Thread t takes the float4 pieces t + SSD_UT u, all at column 4 (t % 16);
+ * writes it). Thread t of T takes the float4 pieces t + T u, all at column 4 (t % 16);
  * their z and x are first copied by cp.async into st (SSD_OUT_ST(XD) floats, 16-byte
  * aligned, each thread reading back only its own pieces), so that no load waits
  * behind a store to yb or yg (they may alias, as far as the compiler knows). */
 #define SSD_OUT_ST(XD) ((XD) ? 2 : 1) * 64 * SSD_HP
-template <bool XD>
+template <bool XD, int T = SSD_UT>
 MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], float *st, int64_t i0, int64_t r0,
                          int64_t n, int64_t tok0, int64_t col, const float *x, int64_t ldx,
                          float D, const float *z, int64_t ldz, float *yb, float *yg,
                          int64_t ldy)
 {
-    constexpr int PR = SSD_HP / 4, U = 64 * PR / SSD_UT, RS = SSD_UT / PR; /* pieces a row */
+    constexpr int PR = SSD_HP / 4, U = 64 * PR / T, RS = T / PR; /* pieces a row */
     const int t = threadIdx.x, p = 4 * (t % PR);
-    float *sz = st + 4 * t, *sx = sz + 64 * SSD_HP; /* piece u at + 4 SSD_UT u */
+    float *sz = st + 4 * t, *sx = sz + 64 * SSD_HP; /* piece u at + 4 T u */
     const bool zvec = (ldz & 3) == 0;
 #pragma unroll 4
     for (int u = 0; u < U; u++) {
         const int64_t i = i0 + t / PR + RS * u;
         if (i < r0 || i >= n) continue;
-        if (XD) mb_cp_async16(sx + 4 * SSD_UT * u, x + i * ldx + col + p, 16);
+        if (XD) mb_cp_async16(sx + 4 * T * u, x + i * ldx + col + p, 16);
         if (!yg) continue;
         const float *zr = z + (tok0 + i - r0) * ldz + col + p;
         if (zvec)
-            mb_cp_async16(sz + 4 * SSD_UT * u, zr, 16);
+            mb_cp_async16(sz + 4 * T * u, zr, 16);
         else
-            for (int k = 0; k < 4; k++) mb_cp_async4(sz + 4 * SSD_UT * u + k, zr + k, 4);
+            for (int k = 0; k < 4; k++) mb_cp_async4(sz + 4 * T * u + k, zr + k, 4);
     }
     mb_cp_commit();
     mb_cp_wait<0>();
@@ -364,24 +370,24 @@ MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], float *st, int64_t i0, int64_
         if (i < r0 || i >= n) continue;
         float4 y = *(const float4 *)&Y[i - i0][p];
         if (XD) {
-            const float4 xv = *(const float4 *)(sx + 4 * SSD_UT * u);
+            const float4 xv = *(const float4 *)(sx + 4 * T * u);
             y.x = y.x + xv.x * D, y.y = y.y + xv.y * D;
             y.z = y.z + xv.z * D, y.w = y.w + xv.w * D;
         }
         const int64_t o = (tok0 + i - r0) * ldy + col + p;
         if (yb) *(float4 *)(yb + o) = y;
         if (!yg) continue;
-        const float4 zv = *(const float4 *)(sz + 4 * SSD_UT * u);
+        const float4 zv = *(const float4 *)(sz + 4 * T * u);
         y.x = y.x * mb_silu(zv.x), y.y = y.y * mb_silu(zv.y);
         y.z = y.z * mb_silu(zv.z), y.w = y.w * mb_silu(zv.w);
         *(float4 *)(yg + o) = y;
     }
 }
 
-MB_DEV void ssd_zero(float (&acc)[8][8])
+template <int RN = 8> MB_DEV void ssd_zero(float (&acc)[RN][8])
 {
 #pragma unroll
-    for (int r = 0; r < 8; r++)
+    for (int r = 0; r < RN; r++)
 #pragma unroll
         for (int q = 0; q < 8; q++) acc[r][q] = 0.0f;
 }
@@ -410,17 +416,17 @@ template <int KN, class F> MB_DEV void ssd_stage_t(float (*dst)[SSD_LD], F src)
     }
 }
 
-/* A thread's 8 x 8 outputs parked in (or read back from) a 64 x 64 tile, row-major. */
-MB_DEV void ssd_park(float (*dst)[SSD_LD], const float (&acc)[8][8])
+/* A thread's RN x 8 outputs parked in a 64 x 64 tile, row-major. */
+template <int RN = 8> MB_DEV void ssd_park(float (*dst)[SSD_LD], const float (&acc)[RN][8])
 {
     const int t = threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < 8; r++)
+    for (int r = 0; r < RN; r++)
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             float4 w;
             w.x = acc[r][4 * g], w.y = acc[r][4 * g + 1], w.z = acc[r][4 * g + 2], w.w = acc[r][4 * g + 3];
-            *(float4 *)&dst[ssd_r(t) + r][ssd_c(t) + 32 * g] = w;
+            *(float4 *)&dst[ssd_r<RN>(t) + r][ssd_c(t) + 32 * g] = w;
         }
 }
 

@@ -160,14 +160,16 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
 }
 #endif
 
-/* Block (head h, chunk c), SSD_UT threads; the chunk's rows in tiles of 64, each
- * tile's outputs in registers (ssd.cu's 64 x 64 tiles, columns p):
+/* Block (head h, chunk c), M2Y_UT threads; the chunk's rows in tiles of 64, each
+ * tile's outputs in registers (ssd.cu's 64 x 64 tiles of M2Y_RN rows a thread,
+ * columns p):
  *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: G's tile
  *   and x's rows are copied as they lie by cp.async (each thread scales the x pieces
- *   it copied by dt: Xd), then thread t walks column j = j0 + t of M = G * exp(seg)
- *   down the row tile (seg[i][j] the serial sum of dA[j+1..i] from +0, carried in
- *   segc from the tile above; rows before r0, which came from the state, only
- *   advance it) into Mt; parked in Mt;
+ *   it copied by dt: Xd), then threads t and t + 64 walk column j = j0 + t of M =
+ *   G * exp(seg) down the row tile's two halves (seg[i][j] the serial sum of
+ *   dA[j+1..i] from +0, carried in segc from the tile above; the lower half's thread
+ *   runs the upper half's adds too, the same chain; rows before r0, which came from
+ *   the state, only advance it) into Mt; parked in Mt;
  *   Y_off = C_i . h_prev, the chain over m, C's and h_prev's rows copied SSD_RK
  *   columns a stage into a ring of two where G and x were (ssd_mma_stage);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
@@ -178,8 +180,12 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
         const float *zx, int64_t NP, float *yb, float *yg
-MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
+#define M2Y_RN 4
+#define M2Y_UT 128
+MB_KERNEL void MB_BOUNDS_MIN(M2Y_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
 {
+    constexpr int T = M2Y_UT, RN = M2Y_RN;
+    static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
     extern __shared__ __align__(16) float sm[];
     float(*Gr)[64] = (float(*)[64])sm;        /* G's tile [i][j] */
     float(*Xs)[SSD_LD] = (float(*)[SSD_LD])(sm + 64 * 64); /* x * dt [j][p] */
@@ -192,25 +198,25 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h;
     const float *g = G + c * M2Q * M2Q, *u = U + e0 * CD;
     const float *hp = hck + ch * SSD_HP * SSD_NS;
-    const int t = threadIdx.x;
-    for (int64_t i = t; i < n; i += SSD_UT) {
+    const int t = threadIdx.x, tj = t % 64, half = t / 64;
+    for (int64_t i = t; i < n; i += T) {
         dAs[i] = dA[ch * M2Q + i];
         dts[i] = dt[ch * M2Q + i];
     }
     for (int64_t i0 = 0; i0 < n; i0 += 64) {
         const bool out = n > r0 && i0 + 64 > r0; /* the tile has outputs */
         const int64_t ni = n - i0 < 64 ? n - i0 : 64;
-        float acc[8][8];
+        float acc[RN][8];
         ssd_zero(acc);
         for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
             const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
             __syncthreads(); /* the previous operands are consumed (dAs is written) */
-            /* thread t copies rows t / 16 + 4 u at column 4 (t % 16) of each (rows past
+            /* thread t copies rows t / 16 + 8 u at column 4 (t % 16) of each (rows past
              * n: +0) */
             const int cc = 4 * (t % 16);
 #pragma unroll
-            for (int uu = 0; uu < 16; uu++) {
-                const int r = t / 16 + 4 * uu;
+            for (int uu = 0; uu < 64 * 16 / T; uu++) {
+                const int r = t / 16 + T / 16 * uu;
                 const bool gi = r < ni, xi = out && r < nj;
                 mb_cp_async16(&Gr[r][cc], g + (i0 + (gi ? r : 0)) * M2Q + j0 + cc, gi ? 16 : 0);
                 if (out)
@@ -221,19 +227,28 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             mb_cp_wait<0>();
             if (out) {
 #pragma unroll
-                for (int uu = 0; uu < 16; uu++) {
-                    const int r = t / 16 + 4 * uu;
+                for (int uu = 0; uu < 64 * 16 / T; uu++) {
+                    const int r = t / 16 + T / 16 * uu;
                     if (r < nj) ssd_scale4(&Xs[r][cc], dts[j0 + r]);
                 }
             }
             __syncthreads(); /* G and Xd are in */
-            const int64_t j = j0 + t;
-            if (t < nj) {
-                /* column j's rows i0 + ii, eight at a time: the chain of adds first, then
-                 * the eight exps, which overlap; stored four rows to a float4 (rows before
-                 * j, past n or before r0 are never read) */
-                float s = j0 < i0 ? segc[j] : 0.0f;
-                for (int ii0 = j0 < i0 ? 0 : t & ~7; ii0 < ni; ii0 += 8) {
+            const int64_t j = j0 + tj;
+            float s = 0.0f; /* the column's seg at the tile's end (upper half) */
+            if (tj < nj) {
+                /* column j's rows i0 + ii of this thread's half, eight at a time: the
+                 * chain of adds first, then the eight exps, which overlap; stored four
+                 * rows to a float4 (rows before j, past n or before r0 are never read) */
+                s = j0 < i0 ? segc[j] : 0.0f;
+                const int first = j0 < i0 ? 0 : tj & ~7;
+                int ii0 = first;
+                if (half) /* the upper half's adds: its chain up to row 32 */
+                    for (; ii0 < 32 && ii0 < ni; ii0++) {
+                        const int64_t i = i0 + ii0;
+                        if (i > j) s = s + dAs[i];
+                    }
+                const int end = half ? (int)ni : (ni < 32 ? (int)ni : 32);
+                for (; ii0 < end; ii0 += 8) {
                     float sv[8];
                     bool in[8];
 #pragma unroll
@@ -250,33 +265,33 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
                         float mv[4];
 #pragma unroll
                         for (int k = 0; k < 4; k++)
-                            mv[k] = in[4 * g + k] ? Gr[ii0 + 4 * g + k][t] * ev[4 * g + k] : 0.0f;
+                            mv[k] = in[4 * g + k] ? Gr[ii0 + 4 * g + k][tj] * ev[4 * g + k] : 0.0f;
                         float4 v;
                         v.x = mv[0], v.y = mv[1], v.z = mv[2], v.w = mv[3];
-                        *(float4 *)&Mt[t][ii0 + 4 * g] = v;
+                        *(float4 *)&Mt[tj][ii0 + 4 * g] = v;
                     }
                 }
-                segc[j] = s;
             }
-            __syncthreads();
+            __syncthreads(); /* Mt is in; both halves have read segc[j] */
+            if (half && tj < nj) segc[j] = s;
             if (out) {
                 if (j0 < i0)
-                    ssd_mma64(acc, Mt, Xs, 0, nj);
+                    ssd_mma64<RN>(acc, Mt, Xs, 0, nj);
                 else
-                    ssd_mma64_tri(acc, Mt, Xs, 0, nj, 1);
+                    ssd_mma64_tri<RN>(acc, Mt, Xs, 0, nj, 1);
             }
         }
         if (!out) continue;
         __syncthreads(); /* M, G and Xd are consumed */
-        ssd_park(Mt, acc);
+        ssd_park<RN>(Mt, acc);
         ssd_zero(acc);
         /* stage st: columns SSD_RK st.. of C's rows i0.. and of h_prev's rows p; thread
-         * t copies rows t / 4 + 16 v at column 4 (t % 4) */
+         * t copies rows t / 4 + 32 v at column 4 (t % 4) */
         auto issue = [&](int st) {
             const int m0 = st * SSD_RK, c4 = 4 * (t % 4);
 #pragma unroll
-            for (int v = 0; v < 4; v++) {
-                const int r = t / 4 + 16 * v;
+            for (int v = 0; v < 64 * 4 / T; v++) {
+                const int r = t / 4 + T / 4 * v;
                 const bool in = r < ni;
                 mb_cp_async16(&ring[st % 2][0][r][c4],
                               u + (i0 + (in ? r : 0)) * CD + di + SSD_NS + m0 + c4, in ? 16 : 0);
@@ -290,22 +305,23 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             __syncthreads(); /* stage st landed for all; the other slot is consumed */
             if (st + 1 < SSD_NS / SSD_RK) issue(st + 1);
             mb_cp_commit();
-            ssd_mma_stage(acc, ring[st % 2]);
+            ssd_mma_stage<RN>(acc, ring[st % 2]);
         }
         /* Y_diag + Y_off * exp(cs_i) in place of the parked Y_diag (seen by all since
          * the stages' barriers), then the rows a float4 a thread at a time (coalesced
          * x, z and stores), + x * D and the gate */
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r(t) + r]);
+        for (int r = 0; r < RN; r++) {
+            const float e = mb_exp(cs[ch * M2Q + i0 + ssd_r<RN>(t) + r]);
 #pragma unroll
             for (int q = 0; q < 8; q++) {
-                float *y = &Mt[ssd_r(t) + r][ssd_cr(t, q)];
+                float *y = &Mt[ssd_r<RN>(t) + r][ssd_cr(t, q)];
                 *y = *y + acc[r][q] * e;
             }
         }
         __syncthreads();
-        ssd_out_rows<true>(Mt, sm, i0, r0, n, d[4], h * SSD_HP, u, CD, D[h], zx, NP, yb, yg, di);
+        ssd_out_rows<true, T>(Mt, sm, i0, r0, n, d[4], h * SSD_HP, u, CD, D[h], zx, NP, yb, yg,
+                              di);
     }
 }
 
