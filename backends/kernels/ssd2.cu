@@ -167,9 +167,9 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
  *   and x's rows are copied as they lie by cp.async (each thread scales the x pieces
  *   it copied by dt: Xd), then threads t and t + 64 walk column j = j0 + t of M =
  *   G * exp(seg) down the row tile's two halves (seg[i][j] the serial sum of
- *   dA[j+1..i] from +0, carried in segc from the tile above; the lower half's thread
- *   runs the upper half's adds too, the same chain; rows before r0, which came from
- *   the state, only advance it) into Mt; parked in Mt;
+ *   dA[j+1..i] from +0, carried in segc from the tile above; the second half's
+ *   thread runs the first half's adds too, the same chain; rows before r0, which came
+ *   from the state, only advance it) into Mt; parked in Mt;
  *   Y_off = C_i . h_prev, the chain over m, C's and h_prev's rows copied SSD_RK
  *   columns a stage into a ring of two where G and x were (ssd_mma_stage);
  *   y = (Y_diag + Y_off * exp(cs_i)) + x * D into yb (packed tokens, di wide), rows
@@ -234,7 +234,7 @@ MB_KERNEL void MB_BOUNDS_MIN(M2Y_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
             }
             __syncthreads(); /* G and Xd are in */
             const int64_t j = j0 + tj;
-            float s = 0.0f; /* the column's seg at the tile's end (upper half) */
+            float s = 0.0f; /* the column's seg at the tile's end (second half) */
             if (tj < nj) {
                 /* column j's rows i0 + ii of this thread's half, eight at a time: the
                  * chain of adds first, then the eight exps, which overlap; stored four
@@ -242,7 +242,7 @@ MB_KERNEL void MB_BOUNDS_MIN(M2Y_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
                 s = j0 < i0 ? segc[j] : 0.0f;
                 const int first = j0 < i0 ? 0 : tj & ~7;
                 int ii0 = first;
-                if (half) /* the upper half's adds: its chain up to row 32 */
+                if (half) /* rows 32..: first the adds of the rows before 32 */
                     for (; ii0 < 32 && ii0 < ni; ii0++) {
                         const int64_t i = i0 + ii0;
                         if (i > j) s = s + dAs[i];

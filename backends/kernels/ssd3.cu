@@ -763,13 +763,15 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
 }
 #endif
 
-/* Block (head h, chunk c), SSD_UT threads (ssd.cu's 64 x 64 tiles, rows i). The
- * chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m; M[i][j] = G *
- * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0, walked down
- * each column by one thread); yi = M . v over u < i ascending, then parked; ys = q_i .
- * h_prev over m; y = ys * exp(cs_i) + yi, y = y + (D + qk_gamma) * v, y * silu(z)
- * into yg (packed tokens, di wide) for rows r0 <= i < n. yg may be z itself (dip =
- * di): each element of z is read only by the thread that then writes it.
+/* Block (head h, chunk c), M3Y_UT threads (ssd.cu's 64 x 64 tiles of M3Y_RN rows i a
+ * thread). The chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m;
+ * M[i][j] = G * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0,
+ * walked down each column's two halves by threads t and t + 64, the second half's
+ * thread running the first half's adds too, the same chain); yi = M . v over u < i
+ * ascending, then parked; ys = q_i . h_prev over m; y = ys * exp(cs_i) + yi, y = y +
+ * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i <
+ * n. yg may be z itself (dip = di): each element of z is read only by the thread that
+ * then writes it.
  * The rows of q with k (for G), then of q with h_prev (for ys), are copied as they
  * lie by cp.async, SSD_RK state columns a stage in a ring of two (ssd_mma_stage), v
  * with the first stage; each thread scales the k pieces it copied itself, so one
@@ -780,8 +782,12 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
-MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
+#define M3Y_RN 4
+#define M3Y_UT 128
+MB_KERNEL void MB_BOUNDS_MIN(M3Y_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
+    constexpr int T = M3Y_UT, RN = M3Y_RN;
+    static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
     extern __shared__ __align__(16) float sm[];
     float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][q, k or h] */
     static_assert(SSD_OUT_ST(false) <= 2 * 2 * 64 * SSD_RLD, "the output pass's z fits in the ring");
@@ -792,14 +798,14 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
-    const int t = threadIdx.x;
+    const int t = threadIdx.x, tj = t % 64, half = t / 64;
     /* stage st: columns m0.. of q's rows and of k's (st < M3YI_STAGES / 2) or h_prev's
-     * rows; thread t copies rows t / 4 + 16 u at column 4 (t % 4) (rows past n: +0) */
+     * rows; thread t copies rows t / 4 + 32 u at column 4 (t % 4) (rows past n: +0) */
     auto issue = [&](int st) {
         const int m0 = st * SSD_RK % SSD_NS, cc = 4 * (t % 4);
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const int r = t / 4 + 16 * u;
+        for (int u = 0; u < 64 * 4 / T; u++) {
+            const int r = t / 4 + T / 4 * u;
             const bool in = r < n;
             mb_cp_async16(&ring[st % 2][0][r][cc], q + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
             if (st < M3YI_STAGES / 2)
@@ -810,7 +816,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         }
     };
     issue(0);
-    for (int e = t; e < 64 * SSD_HP / 4; e += SSD_UT) {
+    for (int e = t; e < 64 * SSD_HP / 4; e += T) {
         const int r = e / (SSD_HP / 4), p = 4 * (e % (SSD_HP / 4));
         mb_cp_async16(&Vs[r][p], v + (r < n ? r : 0) * H * SSD_HP + p, r < n ? 16 : 0);
     }
@@ -826,17 +832,23 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         float s = 0.0f;
         for (int64_t i = 0; i < n; i++) cs[i] = s = s + adt[i];
     }
-    /* exp(seg) down column j = t into Mt[j][i], four rows to a float4 store (rows up
-     * to j are never read); the exps, off the chain of adds, overlap */
-    if (t < n) {
+    /* exp(seg) down column j = tj into Mt[j][i] (this thread's half of the rows), four
+     * rows to a float4 store (rows up to j are never read); the exps, off the chain
+     * of adds, overlap */
+    if (tj < n) {
         float s = 0.0f;
-        for (int64_t i0 = t & ~3; i0 < n; i0 += 4) {
+        int64_t i0 = tj & ~3;
+        if (half) /* rows 32..: first the adds of the rows before 32 */
+            for (; i0 < 32 && i0 < n; i0++)
+                if (i0 > tj) s = s + adt[i0];
+        const int64_t end = half || n < 32 ? n : 32;
+        for (; i0 < end; i0 += 4) {
             float sv[4];
             bool in[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) {
                 const int64_t i = i0 + u;
-                in[u] = i > t && i < n;
+                in[u] = i > tj && i < n;
                 if (in[u]) s = s + adt[i];
                 sv[u] = s;
             }
@@ -845,17 +857,17 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
             ssd_exp_seg(sv, ev);
             w.x = in[0] ? ev[0] : 0.0f, w.y = in[1] ? ev[1] : 0.0f;
             w.z = in[2] ? ev[2] : 0.0f, w.w = in[3] ? ev[3] : 0.0f;
-            *(float4 *)&Mt[t][i0] = w;
+            *(float4 *)&Mt[tj][i0] = w;
         }
     }
-    float acc[8][8];
+    float acc[RN][8];
     ssd_zero(acc);
     for (int st = 0; st < M3YI_STAGES; st++) {
         mb_cp_wait<0>(); /* this thread's copies of stage st (and v) landed */
         if (st < M3YI_STAGES / 2) {
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int r = t / 4 + 16 * u;
+            for (int u = 0; u < 64 * 4 / T; u++) {
+                const int r = t / 4 + T / 4 * u;
                 if (r < n) ssd_scale4(&ring[st % 2][1][r][4 * (t % 4)], sc[r]);
             }
         }
@@ -864,21 +876,21 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         mb_cp_commit();
         if (st == M3YI_STAGES / 2) { /* the tri product has read M: park yi there (seen
                                        * by all from the next stage's barrier on) */
-            ssd_park(Mt, acc);
+            ssd_park<RN>(Mt, acc);
             ssd_zero(acc);
         }
-        ssd_mma_stage(acc, ring[st % 2]);
+        ssd_mma_stage<RN>(acc, ring[st % 2]);
         if (st == M3YI_STAGES / 2 - 1) { /* G is complete: M, then yi = M . v */
 #pragma unroll
-            for (int r = 0; r < 8; r++)
+            for (int r = 0; r < RN; r++)
 #pragma unroll
                 for (int qq = 0; qq < 8; qq++) {
-                    const int i = ssd_r(t) + r, j = ssd_cr(t, qq);
+                    const int i = ssd_r<RN>(t) + r, j = ssd_cr(t, qq);
                     if (j < i && i < n) Mt[j][i] = acc[r][qq] * Mt[j][i];
                     acc[r][qq] = 0.0f;
                 }
             __syncthreads();
-            ssd_mma64_tri(acc, Mt, Vs, 0, (int)n, 0);
+            ssd_mma64_tri<RN>(acc, Mt, Vs, 0, (int)n, 0);
         }
     }
     /* each row's exp(cs_i) and D + qk_gamma (in adt and sc, which are consumed) */
@@ -891,8 +903,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
      * its own thread's), then the rows a float4 a thread at a time (coalesced z and
      * stores) into the gate */
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int i = ssd_r(t) + r;
+    for (int r = 0; r < RN; r++) {
+        const int i = ssd_r<RN>(t) + r;
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
             const int p = ssd_cr(t, qq);
@@ -901,7 +913,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
         }
     }
     __syncthreads();
-    ssd_out_rows<false>(Mt, sm, 0, r0, n, d[4], h * SSD_HP, nullptr, 0, 0.0f, zx, dip, nullptr, yg, di);
+    ssd_out_rows<false, T>(Mt, sm, 0, r0, n, d[4], h * SSD_HP, nullptr, 0, 0.0f, zx, dip, nullptr,
+                           yg, di);
 }
 
 #if defined(MB_MMA)
