@@ -446,36 +446,29 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 }
 
 #define SSD_FOLD_THREADS 256
-#define SSD_FJ 32 /* rows of a fold's shared buffers: two stages of SSD_FS */
-#define SSD_FS 16
-#define SSD_FR 3 /* the forward folds' stages: their shared memory allows three */
+#define SSD_FJ 32 /* rows of a fold's shared buffers: two stages of SSD_FJ / 2 */
 
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
  * (one fmaf each, from +0), a(j, m) = arow(j)[m] * ascale(j) and b(j, p) = brow(j)[p]
  * * bscale(j), each product rounded once. Rows are copied as they lie by cp.async into
- * a ring of R stages of SSD_FS rows in sA, sB (R SSD_FS rows each, 16-byte aligned):
- * the next R - 1 stages' copies are in flight while a stage is scaled and multiplied,
- * and the first ones while tables() fills what the scales read (its barriers its own;
- * the loop's first barrier publishes it). Each thread scales the pieces it copied itself.
+ * a ring of two stages of SSD_FJ / 2 rows in sA, sB (rows 16-byte aligned): a stage's
+ * copy is in flight while the stage before it is scaled and multiplied, and the first
+ * one while tables() fills what the scales read (its barriers its own; the loop's
+ * first barrier publishes it). Each thread scales the pieces it copied itself.
  * Virtual thread u of SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8)
  * + (0..3), + 32 + (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a
  * thread. Writes out(e, v), v = S at e = p * SSD_NS + m .. + 3 (m a multiple of 4). */
-template <int T = SSD_FOLD_THREADS, int R = 2, class Tab, class AR, class AS, class BR, class BS,
-          class Out>
+template <int T = SSD_FOLD_THREADS, class Tab, class AR, class AS, class BR, class BS, class Out>
 MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bscale, Out out,
                      float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
-    constexpr int V = SSD_FOLD_THREADS / T, FS = SSD_FS;
+    constexpr int V = SSD_FOLD_THREADS / T, FS = SSD_FJ / 2;
     constexpr int PA = SSD_NS / 4, PB = SSD_HP / 4; /* 16-byte pieces a row */
     constexpr int NA = FS * PA / T, NB = FS * PB / T;
     static_assert(NA * T == FS * PA && NB * T == FS * PB, "whole pieces a thread");
     const int t = threadIdx.x;
-    auto copy = [&](int64_t j0, int st) { /* rows past n: +0; none past the last stage */
+    auto copy = [&](int64_t j0, int st) { /* rows past n: +0 */
         const int nj = n - j0 < FS ? (int)(n - j0) : FS;
-        if (nj <= 0) {
-            mb_cp_commit();
-            return;
-        }
 #pragma unroll
         for (int u = 0; u < NA; u++) {
             const int e = t + T * u, r = e / PA, c = 4 * (e % PA);
@@ -488,8 +481,7 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bsca
         }
         mb_cp_commit();
     };
-#pragma unroll
-    for (int st = 0; st + 1 < R; st++) copy(st * FS, st);
+    copy(0, 0);
     tables();
     float acc[V][4][8];
 #pragma unroll
@@ -499,11 +491,15 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bsca
 #pragma unroll
             for (int q = 0; q < 8; q++) acc[v][r][q] = 0.0f;
     int st = 0;
-    for (int64_t j0 = 0; j0 < n; j0 += FS, st = st + 1 < R ? st + 1 : 0) {
+    for (int64_t j0 = 0; j0 < n; j0 += FS, st ^= 1) {
         const int nj = n - j0 < FS ? (int)(n - j0) : FS;
-        __syncthreads(); /* the stage before is consumed (the first time: the tables) */
-        copy(j0 + (R - 1) * FS, (st + R - 1) % R);
-        mb_cp_wait<R - 1>();
+        __syncthreads(); /* the other stage is consumed (the first time: the tables) */
+        if (j0 + FS < n) {
+            copy(j0 + FS, st ^ 1);
+            mb_cp_wait<1>();
+        } else {
+            mb_cp_wait<0>();
+        }
 #pragma unroll
         for (int u = 0; u < NA; u++) {
             const int e = t + T * u, r = e / PA;

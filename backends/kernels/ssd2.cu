@@ -111,7 +111,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
 {
     MB_GRID_WAIT();
     __shared__ float dec[M2Q];
-    __shared__ __align__(16) float sA[SSD_FR * SSD_FS][SSD_NS], sB[SSD_FR * SSD_FS][SSD_HP];
+    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
@@ -123,7 +123,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
     float ex = 0.0f;
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    ssd_fold<SSD_FOLD_THREADS, SSD_FR>(
+    ssd_fold(
         n,
         [&] {
             const float last = csc[n - 1];

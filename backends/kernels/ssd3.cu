@@ -415,7 +415,7 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
  * v_j = vrow(j); out(e, v, exp(cs_last)) per four elements (as ssd_fold's out). cs,
  * sc, dec: M3Q floats of shared memory each. The tables are made while the first
  * rows' copy is in flight. */
-template <int T, int R = 2, class Adt, class Scl, class KR, class VR, class Out>
+template <int T, class Adt, class Scl, class KR, class VR, class Out>
 MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
                     float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
@@ -445,7 +445,7 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
         ex = mb_exp(last);
         if (t < n) dec[t] = mb_exp(last - cs[t]);
     };
-    ssd_fold<T, R>(n, tables, krow, [&](int64_t j) { return sc[j]; }, vrow,
+    ssd_fold<T>(n, tables, krow, [&](int64_t j) { return sc[j]; }, vrow,
                 [&](int64_t j) { return dec[j]; }, [&](int64_t e, float4 v) { out(e, v, ex); },
                 sA, sB);
 }
@@ -463,14 +463,14 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, c
 {
     MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
-    __shared__ __align__(16) float sA[SSD_FR * SSD_FS][SSD_NS], sB[SSD_FR * SSD_FS][SSD_HP];
+    __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS, k0 = krow ? krow[d[0]] : e0;
     const bool sealed = d[5] != 0;
     if (!hin && !sealed) return;
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    m3_fold<SSD_FOLD_THREADS, SSD_FR>(
+    m3_fold<SSD_FOLD_THREADS>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
         [&](int64_t j) { return K + ((k0 + j) * H + h) * SSD_NS; },
