@@ -261,11 +261,10 @@ class _PoolMem:
 class _Scratch:
     """Stream-ordered scratch for one call: taken from the pool and returned on the
     call's stream, so the frees wait for the kernels that use it and nothing blocks
-    the host. joins: calls that make the stream wait for another one still using the
-    scratch, made before the frees."""
+    the host."""
 
     def __init__(self, be, s):
-        self.be, self.s, self.ptrs, self.joins = be, s, [], []
+        self.be, self.s, self.ptrs = be, s, []
 
     def __call__(self, nfloats):
         be = self.be
@@ -283,8 +282,6 @@ class _Scratch:
         return self
 
     def __exit__(self, *exc):
-        for join in self.joins:
-            join()
         for p in self.ptrs:
             self.be.cu.cuMemFreeAsync(p, self.s.cu)
         return False

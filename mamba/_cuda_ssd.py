@@ -98,26 +98,6 @@ class _Early:
             self.sc.__exit__()
 
 
-class _Later:
-    """A front's first in_proj GEMM held back (SsdMixin._front_cols): run() queues it
-    on the call's stream s, then makes s wait for the side stream's GEMM; join() only
-    waits, and the scratch makes it before its frees whatever happened."""
-
-    def __init__(self, be, sc, s, side, gemm):
-        self.be, self.s, self.side, self.gemm = be, s, side, gemm
-        sc.joins.append(self.join)
-
-    def run(self):
-        gemm, self.gemm = self.gemm, None
-        gemm()
-        self.join()
-
-    def join(self):
-        side, self.side = self.side, None
-        if side is not None:
-            self.be._wait(self.s, side)
-
-
 def _rot(rot):
     """The fast chunk kernels' last five arguments (all 0: q and k from Q and K)."""
     return rot or (0,) * 5
@@ -221,13 +201,11 @@ class SsdMixin:
                      B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, last)
 
     def _ssd_front(self, s, sc, x, lengths, plan, w, dm, fast, m3):
-        """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks, later), I
-        holding M, the norm's scratch and, where rows are packed (lengths), the plan's
-        tables, which the front then reads (uploaded after it otherwise); parts: the
+        """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks), I holding
+        M, the norm's scratch and, where rows are packed (lengths), the plan's tables,
+        which the front then reads (uploaded after it otherwise); parts: the
         projections' leaf scratch; blocks: in_proj's output as _front_cols gives it
-        (Mamba-3: z, x and the rest; Mamba-2: one block); later: _front_cols'. An
-        identical Mamba-3 whose (row, head) angle walks cannot fill the GPU holds z's
-        GEMM back, so that the walks run beside the x GEMM and z's follows them."""
+        (Mamba-3: z, x and the rest; Mamba-2: one block)."""
         B, L = x.shape[0], x.shape[1]
         di, _, NP = (m3_dims if m3 else m2_dims)(dm)
         M = B * L if lengths is None else plan.M
@@ -236,9 +214,8 @@ class SsdMixin:
         nparts = max(self._parts(M, NP, dm), self._parts(M, dm, di))
         parts = sc(nparts) if nparts else 0
         widths = (di, di, NP - 2 * di) if m3 else (NP,)
-        defer = m3 and not fast and B * (di // HP) < self.sms
         return (I, parts, *self._front_cols(s, sc, B, L, lengths, I, x, dm, w[0], w[1], widths,
-                                            parts, fast, defer=defer))
+                                            parts, fast))
 
     def _early_front(self, kind, w, dm, x, fast):
         """A stateless prefill's front queued now (blocks._Block._early): the forward
@@ -267,20 +244,17 @@ class SsdMixin:
         a one-token call's conv step on zx's columns (gemm's). xn holds the normed
         rows only when kept (keep), else it is M * dm floats of scratch; copy: x is
         copied into scratch even when on the device."""
-        xd, xn, (zx,), _ = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj,
-                                            (NP,), parts, fast, conv, keep, copy)
+        xd, xn, (zx,) = self._front_cols(s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, (NP,),
+                                         parts, fast, conv, keep, copy)
         return xd, xn, zx
 
     def _front_cols(self, s, sc, B, L, lengths, I, x, dm, norm_w, in_proj, widths, parts, fast,
-                    conv=None, keep=False, copy=False, defer=False):
+                    conv=None, keep=False, copy=False):
         """_front with in_proj's output columns cut into blocks of the given widths,
         each an array of its own (M rows of that width) that can be freed apart:
-        (x, xn, [blocks], later). Each output is the same dot product either way. conv
-        goes with the first block. The second block's GEMM runs beside the others (on
-        side_stream), so no GEMM ends on a part-empty wave of its own. defer (with a
-        side stream): the first block's GEMM is held back in later (else None), whose
-        run() queues it and joins the side stream; xn and the second block are not to
-        be freed or read on s before then."""
+        (x, xn, [blocks]). Each output is the same dot product either way. conv goes
+        with the first block. The second block's GEMM runs beside the others (on
+        side_stream), so no GEMM ends on a part-empty wave of its own."""
         C = self._ssd_fn()
         M = I["M"]
         xs = self._on_device(sc, x, copy=copy)
@@ -294,25 +268,20 @@ class SsdMixin:
             blocks = [sc(M * widths[0])]
             self._norm_gemm(s, fast, M, dm, xs, norm_w, xn, I["r"], widths[0], in_proj, blocks[0],
                             parts, conv, keep)
-            return xd, xn, blocks, None
+            return xd, xn, blocks
         self._rmsnorm(s, fast, M, dm, xs, norm_w, xn, I["r"])
         blocks, col = [sc(M * n) for n in widths], 0
         side = self.side_stream(s, M, dm)
-        later = None
         try:
             for k, n in enumerate(widths):
-                gemm = functools.partial(self.gemm, side if k == 1 and side else s, M, n, dm, xn,
-                                         dm, C._ptr(in_proj) + 4 * col * dm, dm, blocks[k], n,
-                                         parts, fast, conv=None if col else conv)
-                if k == 0 and defer and side:
-                    later = _Later(self, sc, s, side, gemm)
-                else:
-                    gemm()
+                self.gemm(side if k == 1 and side else s, M, n, dm, xn, dm,
+                          C._ptr(in_proj) + 4 * col * dm, dm, blocks[k], n, parts, fast,
+                          conv=None if col else conv)
                 col += n
         finally:  # s's later work (and frees) come after the side's GEMM
-            if side and later is None:
+            if side:
                 self._wait(s, side)
-        return xd, xn, blocks, later
+        return xd, xn, blocks
 
     # ---------------------------------------------------------------- Mamba-2
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
@@ -331,8 +300,8 @@ class SsdMixin:
         plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
         M, E, NC, per = plan.M, plan.E, plan.NC, HP * NS
         back = []
-        sc, (I, parts, xd, xn, (zx,), _) = self._begin(st, x, lengths, plan, w, dm, fast, False,
-                                                       early)
+        sc, (I, parts, xd, xn, (zx,)) = self._begin(st, x, lengths, plan, w, dm, fast, False,
+                                                    early)
         with sc:
             if lengths is None:
                 I.update(plan.upload(sc))
@@ -465,8 +434,8 @@ class SsdMixin:
         # in_proj as z (gated in place into the outputs by mb_m3_y_k), x (the ext v rows
         # themselves when none are buffered) and the rest from B on (read as rows of
         # width NR whose B sits at 2 * di = 0)
-        sc, (I, parts, xd, xn, (z, xv, R), later) = self._begin(st, x, lengths, plan, w, dm, fast,
-                                                                True, early)
+        sc, (I, parts, xd, xn, (z, xv, R)) = self._begin(st, x, lengths, plan, w, dm, fast, True,
+                                                         early)
         with sc:
             if lengths is None:
                 I.update(plan.upload(sc))
@@ -474,8 +443,7 @@ class SsdMixin:
             theta, h, bq, bk, bv, bdt, bsig, badt, pk, pv = p
             rep = [self._out(sc, a, back) for a in reports]
             yd = self._out(sc, y, back)
-            if later is None:  # (else once z's GEMM has read it)
-                _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
+            _release(sc, xn)  # out_proj takes its scratch once the chunk buffers are gone
             Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
             direct = buffered_tokens == 0
@@ -492,10 +460,6 @@ class SsdMixin:
                              B, at, I["t0"], M3_Q, W, buf, ext)
             self.m3_prep(s, sc, B, L, I, H, 0, NR, R, dt_bias, Bn, Cn, B_bias, C_bias,
                          DT, SIG, ADT, QKG, TA)
-            if later is not None:  # the angle walks beside the x GEMM, then z's
-                self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
-                later.run()
-                _release(sc, xn)
             if not direct:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
@@ -508,8 +472,7 @@ class SsdMixin:
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
                              theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
-                if later is None:
-                    self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
+                self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
                 self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
             _release(sc, R, TA, *(() if tc else (Bn, Cn)))
