@@ -249,7 +249,7 @@ MB_DEV void ssd_mma64(float (&acc)[RN][8], const float (*a)[SSD_LD], const float
     ssd_mma<RN, 4, 8, 32>(acc, &a[0][ssd_r<RN>(t)], SSD_LD, &b[0][ssd_c(t)], SSD_LD, k0, k1);
 }
 
-template <int RN = 8>
+template <int RN>
 MB_DEV void ssd_mma64_tri(float (&acc)[RN][8], const float (*a)[SSD_LD],
                           const float (*b)[SSD_LD], int k0, int k1, int lim)
 {
@@ -263,7 +263,7 @@ MB_DEV void ssd_mma64_tri(float (&acc)[RN][8], const float (*a)[SSD_LD],
  * the K terms of row a + r lda and row b + 8 q ldb, four terms a float4 of each row.
  * Thread t passes its rows ssd_r<RN>(t) and column rows t % 8 (a quarter-warp reads 8
  * consecutive rows: distinct banks), so its outputs are columns t % 8 + 8 q. */
-template <int K, int LDA, int LDB, int RN = 8>
+template <int K, int LDA, int LDB, int RN>
 MB_DEV void ssd_mma_rows(float (&acc)[RN][8], const float *a, const float *b)
 {
 #pragma unroll
@@ -295,7 +295,7 @@ MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' colum
  * float4 reads on distinct banks). ssd_mma_stage: the thread's products of a slot. */
 #define SSD_RK 16
 #define SSD_RLD 20
-template <int RN = 8>
+template <int RN>
 MB_DEV void ssd_mma_stage(float (&acc)[RN][8], const float (*slot)[64][SSD_RLD])
 {
     const int t = threadIdx.x;
@@ -340,7 +340,7 @@ MB_DEV void ssd_exp_seg(const float (&s)[N], float (&e)[N])
  * aligned, each thread reading back only its own pieces), so that no load waits
  * behind a store to yb or yg (they may alias, as far as the compiler knows). */
 #define SSD_OUT_ST(XD) ((XD) ? 2 : 1) * 64 * SSD_HP
-template <bool XD, int T = SSD_UT>
+template <bool XD, int T>
 MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], float *st, int64_t i0, int64_t r0,
                          int64_t n, int64_t tok0, int64_t col, const float *x, int64_t ldx,
                          float D, const float *z, int64_t ldz, float *yb, float *yg,
@@ -384,7 +384,7 @@ MB_DEV void ssd_out_rows(const float (*Y)[SSD_LD], float *st, int64_t i0, int64_
     }
 }
 
-template <int RN = 8> MB_DEV void ssd_zero(float (&acc)[RN][8])
+template <int RN> MB_DEV void ssd_zero(float (&acc)[RN][8])
 {
 #pragma unroll
     for (int r = 0; r < RN; r++)
@@ -417,7 +417,7 @@ template <int KN, class F> MB_DEV void ssd_stage_t(float (*dst)[SSD_LD], F src)
 }
 
 /* A thread's RN x 8 outputs parked in a 64 x 64 tile, row-major. */
-template <int RN = 8> MB_DEV void ssd_park(float (*dst)[SSD_LD], const float (&acc)[RN][8])
+template <int RN> MB_DEV void ssd_park(float (*dst)[SSD_LD], const float (&acc)[RN][8])
 {
     const int t = threadIdx.x;
 #pragma unroll
