@@ -14,7 +14,7 @@ pieces of _cuda_grad.py.
 from types import SimpleNamespace
 
 from ._cuda_ssd import (_plan, _release, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS,
-                        M2YI_SMEM, M2YI_THREADS)
+                        M2YI_SMEM, OUT_THREADS)
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
 COL_THREADS = 256  # back2.cu COL_THREADS
@@ -95,7 +95,7 @@ class Back2Mixin:
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,
                          B, H, I["cbeg"], I["desc"], Ec, S, h0, hck)
         Y, g = f(M * di), f(M * di)  # the output before the gate, and gated
-        self._launch(s, "mb_m2_y_k", (H, NC), M2YI_THREADS, I["desc"], H, di, CD, U, G,
+        self._launch(s, "mb_m2_y_k", (H, NC), OUT_THREADS, I["desc"], H, di, CD, U, G,
                      dt, dA, cs, hck, D, zx, NP, Y, g, smem=M2YI_SMEM)
         return SimpleNamespace(B=B, L=L, dm=dm, di=di, H=H, CD=CD, NP=NP, M=M, NC=NC,
                                nk=NC // B, lo=_bits(dt_limit[0]), hi=_bits(dt_limit[1]), I=I,

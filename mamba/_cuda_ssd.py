@@ -29,8 +29,7 @@ M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k
-M2YI_THREADS = 128  # ssd2.cu M2Y_UT: mb_m2_y_k
-M3YI_THREADS = 128  # ssd3.cu M3Y_UT: mb_m3_y_k
+OUT_THREADS = 128  # ssd.cu SSD_OUT: mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
 M3Y_THREADS = 256  # ssd3.cu: mb_fast_m3_y_k, its dynamic shared memory M3Y_SMEM
 M3Y_SMEM = 4 * (3 * 3 * 64 * 16 + 64 * 72)
@@ -341,7 +340,7 @@ class SsdMixin:
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
-                         M2Y_THREADS if tc else M2YI_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
+                         M2Y_THREADS if tc else OUT_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
                          cs, hck, D, zx, NP, 0, yg, smem=0 if tc else M2YI_SMEM)
             for buf, ext, W in ((bx, U, CD), (bd, DTR, H)):
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M2_Q * W, B), C.THREADS,
@@ -550,7 +549,7 @@ class SsdMixin:
         """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc:
         fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when new
         tokens' q and k are formed there (ssd3.cu)."""
-        self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else M3YI_THREADS,
+        self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else OUT_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
                      *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else M3YI_SMEM)
 

@@ -237,6 +237,23 @@ MB_DEV void ssd_mma_tri(float (&acc)[RN][CN], const float *a, int lda, const flo
 #define SSD_UT 64
 #define SSD_LD 68
 template <int RN = 8> MB_DEV int ssd_r(int t) { return RN * (t / 8); }
+/* The identical output kernels' tiles (mb_m2_y_k, mb_m3_y_k): 4 rows a thread */
+#define SSD_ORN 4
+#define SSD_OUT 128
+
+/* A column's seg walk down a tile of ni rows, split between two threads at row 32:
+ * the first row of this thread's half (half 0 from first, half 1 from 32 or first),
+ * its end in *end, and s carried by add(ii, s) over the rows the second half does
+ * not walk itself (the first half's adds: the same chain). */
+template <class Add>
+MB_DEV int64_t ssd_seg_half(int half, int64_t first, int64_t ni, float &s, Add add, int64_t *end)
+{
+    int64_t ii = first;
+    if (half)
+        for (; ii < 32 && ii < ni; ii++) add(ii, s);
+    *end = half || ni < 32 ? ni : 32;
+    return ii;
+}
 MB_DEV int ssd_c(int t) { return 4 * (t % 8); }
 /* column q < 8 of thread t */
 MB_DEV int ssd_cq(int t, int q) { return ssd_c(t) + (q < 4 ? q : 28 + q); }

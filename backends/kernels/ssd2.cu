@@ -160,8 +160,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
 }
 #endif
 
-/* Block (head h, chunk c), M2Y_UT threads; the chunk's rows in tiles of 64, each
- * tile's outputs in registers (ssd.cu's 64 x 64 tiles of M2Y_RN rows a thread,
+/* Block (head h, chunk c), SSD_OUT threads; the chunk's rows in tiles of 64, each
+ * tile's outputs in registers (ssd.cu's 64 x 64 tiles of SSD_ORN rows a thread,
  * columns p):
  *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: G's tile
  *   and x's rows are copied as they lie by cp.async (each thread scales the x pieces
@@ -180,11 +180,9 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *G,     \
         const float *dt, const float *dA, const float *cs, const float *hck, const float *D,   \
         const float *zx, int64_t NP, float *yb, float *yg
-#define M2Y_RN 4
-#define M2Y_UT 128
-MB_KERNEL void MB_BOUNDS_MIN(M2Y_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m2_y_k(M2_Y_PARAMS)
 {
-    constexpr int T = M2Y_UT, RN = M2Y_RN;
+    constexpr int T = SSD_OUT, RN = SSD_ORN;
     static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
     extern __shared__ __align__(16) float sm[];
     float(*Gr)[64] = (float(*)[64])sm;        /* G's tile [i][j] */
@@ -240,15 +238,12 @@ MB_KERNEL void MB_BOUNDS_MIN(M2Y_UT, 4) mb_m2_y_k(M2_Y_PARAMS)
                  * chain of adds first, then the eight exps, which overlap; stored four
                  * rows to a float4 (rows before j, past n or before r0 are never read) */
                 s = j0 < i0 ? segc[j] : 0.0f;
-                const int first = j0 < i0 ? 0 : tj & ~7;
-                int ii0 = first;
-                if (half) /* rows 32..: first the adds of the rows before 32 */
-                    for (; ii0 < 32 && ii0 < ni; ii0++) {
-                        const int64_t i = i0 + ii0;
-                        if (i > j) s = s + dAs[i];
-                    }
-                const int end = half ? (int)ni : (ni < 32 ? (int)ni : 32);
-                for (; ii0 < end; ii0 += 8) {
+                int64_t end;
+                auto add = [&](int64_t ii, float &a) {
+                    if (i0 + ii > j) a = a + dAs[i0 + ii];
+                };
+                for (int64_t ii0 = ssd_seg_half(half, j0 < i0 ? 0 : tj & ~7, ni, s, add, &end);
+                     ii0 < end; ii0 += 8) {
                     float sv[8];
                     bool in[8];
 #pragma unroll

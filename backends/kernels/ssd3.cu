@@ -763,8 +763,8 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
 }
 #endif
 
-/* Block (head h, chunk c), M3Y_UT threads (ssd.cu's 64 x 64 tiles of M3Y_RN rows i a
- * thread). The chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m;
+/* Block (head h, chunk c), SSD_OUT threads (ssd.cu's 64 x 64 tiles of SSD_ORN rows i
+ * a thread). The chains are the C reference's: G[i][j] = q_i . (k_j * scale_j) over m;
  * M[i][j] = G * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0,
  * walked down each column's two halves by threads t and t + 64, the second half's
  * thread running the first half's adds too, the same chain); yi = M . v over u < i
@@ -782,11 +782,9 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
-#define M3Y_RN 4
-#define M3Y_UT 128
-MB_KERNEL void MB_BOUNDS_MIN(M3Y_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m3_y_k(M3_Y_PARAMS)
 {
-    constexpr int T = M3Y_UT, RN = M3Y_RN;
+    constexpr int T = SSD_OUT, RN = SSD_ORN;
     static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
     extern __shared__ __align__(16) float sm[];
     float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][q, k or h] */
@@ -837,12 +835,11 @@ MB_KERNEL void MB_BOUNDS_MIN(M3Y_UT, 4) mb_m3_y_k(M3_Y_PARAMS)
      * of adds, overlap */
     if (tj < n) {
         float s = 0.0f;
-        int64_t i0 = tj & ~3;
-        if (half) /* rows 32..: first the adds of the rows before 32 */
-            for (; i0 < 32 && i0 < n; i0++)
-                if (i0 > tj) s = s + adt[i0];
-        const int64_t end = half || n < 32 ? n : 32;
-        for (; i0 < end; i0 += 4) {
+        int64_t end;
+        auto add = [&](int64_t i, float &a) {
+            if (i > tj) a = a + adt[i];
+        };
+        for (int64_t i0 = ssd_seg_half(half, tj & ~3, n, s, add, &end); i0 < end; i0 += 4) {
             float sv[4];
             bool in[4];
 #pragma unroll
