@@ -91,7 +91,7 @@ class Back3Mixin:
         with _Scratch(self, st) as t:
             theta = t(B * H * NA)
             self._fill32(s, theta, 0, B * H * NA)
-            self._m3_angles(s, B, H, I, TA, DT, theta, Q, 0)
+            self._m3_angles(s, B, H, I, TA, DT, theta, Q, 0, 0)
         self._launch(s, "mb_m3b_rotate_k", (self._grid(M * H * NA),), THREADS,
                      M, H, Bn, Cn, B_bias, C_bias, Q, K, ANG)
         # v, the chunk states, the gated output

@@ -97,9 +97,10 @@ class _Early:
             self.sc.__exit__()
 
 
-def _rot(rot):
-    """The fast chunk kernels' last five arguments (all 0: q and k from Q and K)."""
-    return rot or (0,) * 5
+def _rot(rot, n):
+    """The chunk kernels' last n arguments that form new rows' q and k, (Bn, Cn,
+    B_bias, C_bias) and fast mode's TH (all 0: q and k from Q and K)."""
+    return rot or (0,) * n
 
 
 def _bits(f):
@@ -193,11 +194,12 @@ class SsdMixin:
             self._launch(s, "mb_m2_prep_k", (NC, -(-H // PREP_HEADS)), M2_Q, desc, H, DTR,
                          dt_bias, A_log, _bits(limit[0]), _bits(limit[1]), dt, dA, cs)
 
-    def _m3_angles(self, s, B, H, I, TA, DT, theta, Q, last):
+    def _m3_angles(self, s, B, H, I, TA, DT, theta, park, turns, last):
         """Mamba-3's angle recurrence (identical), each token's angle r into slot r of
-        its Q row; last: theta_last's copy (0: none)."""
+        its row of park (H * NS floats an ext row), or with turns its cos and sin into
+        slots 2r, 2r + 1; last: theta_last's copy (0: none)."""
         self._launch(s, "mb_m3_angles_k", (B * H,), ANGLE_THREADS,
-                     B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, Q, last)
+                     B, H, I["off"], I["eoff"], I["t0"], TA, DT, theta, park, turns, last)
 
     def _ssd_front(self, s, sc, x, lengths, plan, w, dm, fast, m3):
         """A Mamba-2 or Mamba-3 prefill's front: (I, parts, x, xn, blocks), I holding
@@ -463,18 +465,20 @@ class SsdMixin:
                 self._launch(s, "mb_ssd_put_k", self._rows_grid(L * di, B), C.THREADS,
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
-            rot = ()
-            if tc:  # each new token's angles TH; q and k rotated where used (ssd3.cu)
+            # new tokens' q and k are formed where used (ssd3.cu) from their angles
+            # (fast mode: TH) or turns (parked in K); the last chunks' are formed here
+            rot = (Bn, Cn, B_bias, C_bias)
+            if tc:
                 TH = sc(M * H * NA)
-                rot = (Bn, Cn, B_bias, C_bias, TH)
+                rot += (TH,)
                 self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
                              theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
-                self._m3_angles(s, B, H, I, TA, DT, theta, Q, rep[3])
-                self._launch(s, "mb_m3_rotate_k", self._rows_grid(L * H * NA, B), C.THREADS,
+                self._m3_angles(s, B, H, I, TA, DT, theta, K, 1, rep[3])
+                self._launch(s, "mb_m3_rotate_k", self._rows_grid(M3_Q * H * NA, B), C.THREADS,
                              B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
-            _release(sc, R, TA, *(() if tc else (Bn, Cn)))
+            _release(sc, R, TA)
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
                              B, H, I["eoff"], DT, SIG, pk, pv, h)
@@ -495,7 +499,7 @@ class SsdMixin:
                                  smem=M3S_SMEM[split])
                 else:
                     E0 = Ec + 4 * H * c0
-                    self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0)
+                    self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0, rot)
                     self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                                  nb, H, cb, dsc, E0, S, hb, S)
                 self.m3_y(s, tc, nc, H, dsc, di, di, qs, ks, V, DT, SIG, ADT, QKG, S, D, z, z,
@@ -503,13 +507,13 @@ class SsdMixin:
             # reports of each row's last token, then the working chunk into the state
             krow = I["coff"] if tc else 0
             self._launch(s, "mb_m3_fold_k", (B, H), FOLD_THREADS,
-                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, krow)
+                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, krow, 0, 0)
             self._launch(s, "mb_m3_last_k", (self._grid(B * H * (NS + HP)),), C.THREADS,
                          B, H, I["last"], K, V, rep[1], rep[2], I["last_c"] if tc else 0)
             for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, *((Bn, Cn, TH) if tc else (Ec,)))
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Bn, Cn, *((TH,) if tc else (Ec,)))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -537,21 +541,23 @@ class SsdMixin:
         """The chunk contraction and output kernels of m3_fold and m3_y."""
         return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
 
-    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E):
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=()):
         """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
-        tc: fast mode's tensor-core kernel."""
+        tc: fast mode's tensor-core kernel; rot (identical) as m3_y's, its new rows'
+        k formed from Bn and B_bias by the turns in K."""
+        form = (rot[0], rot[2]) if rot else (0, 0)
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS,
                      desc, H, K, V, DT, SIG, ADT, 0, S, E,
-                     *(() if tc else (0,)))  # the identical kernel's krow: ext rows
+                     *(() if tc else (0, *form)))  # the identical kernel's krow: ext rows
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):
         """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc:
-        fast mode's tensor-core kernel, rot its (Bn, Cn, B_bias, C_bias, TH) when new
-        tokens' q and k are formed there (ssd3.cu)."""
+        fast mode's tensor-core kernel; rot (Bn, Cn, B_bias, C_bias, and fast mode's TH)
+        when new tokens' q and k are formed there (ssd3.cu)."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else OUT_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
-                     *(_rot(rot) if tc else ()), smem=M3Y_SMEM if tc else M3YI_SMEM)
+                     *_rot(rot, 5 if tc else 4), smem=M3Y_SMEM if tc else M3YI_SMEM)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

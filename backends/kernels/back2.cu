@@ -241,8 +241,8 @@ mb_m2b_off_k(const int64_t *desc, int64_t nk, int64_t H, int64_t di, int64_t CD,
         }
     }
     if (c % nk == 0) return;
-    ssd_fold(n, [] {}, [&](int64_t i) { return U + (e0 + i) * CD + di + SSD_NS; },
-             [](int64_t) { return 1.0f; }, /* C_i as it is (the multiply folds away) */
+    ssd_fold(n, [] {}, ssd_rows_a([&](int64_t i) { return U + (e0 + i) * CD + di + SSD_NS; }, cr),
+             [](int64_t, int, int) {}, /* C_i as it is */
              [&](int64_t i) { return dY + (tok + i) * di + h * SSD_HP; },
              [&](int64_t i) { return ev[i]; },
              [&](int64_t e, float4 v) {

@@ -465,18 +465,31 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 #define SSD_FOLD_THREADS 256
 #define SSD_FJ 32 /* rows of a fold's shared buffers: two stages of SSD_FJ / 2 */
 
+/* ssd_fold's A side for rows as they lie at row(j), and scaled by scale(j) */
+template <class R> MB_DEV auto ssd_rows_a(R row, float (*sA)[SSD_NS])
+{
+    return [=](int64_t j, int s, int c, bool in) { mb_cp_async16(&sA[s][c], row(j) + c, in ? 16 : 0); };
+}
+template <class S> MB_DEV auto ssd_scale_a(S scale, float (*sA)[SSD_NS])
+{
+    return [=](int64_t j, int s, int c) { ssd_scale4(&sA[s][c], scale(j)); };
+}
+
 /* A chunk's contraction S[p][m] = sum over its rows j ascending of a(j, m) b(j, p)
- * (one fmaf each, from +0), a(j, m) = arow(j)[m] * ascale(j) and b(j, p) = brow(j)[p]
- * * bscale(j), each product rounded once. Rows are copied as they lie by cp.async into
- * a ring of two stages of SSD_FJ / 2 rows in sA, sB (rows 16-byte aligned): a stage's
- * copy is in flight while the stage before it is scaled and multiplied, and the first
- * one while tables() fills what the scales read (its barriers its own; the loop's
- * first barrier publishes it). Each thread scales the pieces it copied itself.
+ * (one fmaf each, from +0), a(j, m) the A row j that acopy and afix make in sA and
+ * b(j, p) = brow(j)[p] * bscale(j), each product rounded once. Rows are copied by
+ * cp.async into a ring of two stages of SSD_FJ / 2 rows in sA, sB (rows 16-byte
+ * aligned): acopy(j, s, c, in) issues the copy of A's piece c .. c + 3 of row j into
+ * sA[s][c] (in false: +0), afix(j, s, c) readies it once landed (ssd_rows_a, ssd_scale_a:
+ * the rows as they lie, scaled); a stage's copy is in flight while the stage before it
+ * is readied and multiplied, and the first one while tables() fills what the fixes
+ * read (its barriers its own; the loop's first barrier publishes it). Each thread
+ * readies the pieces it copied itself.
  * Virtual thread u of SSD_FOLD_THREADS owns m = 4 (u / 8) + (0..3) and p = 4 (u % 8)
  * + (0..3), + 32 + (0..3); a block of T threads runs SSD_FOLD_THREADS / T of them a
  * thread. Writes out(e, v), v = S at e = p * SSD_NS + m .. + 3 (m a multiple of 4). */
-template <int T = SSD_FOLD_THREADS, class Tab, class AR, class AS, class BR, class BS, class Out>
-MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bscale, Out out,
+template <int T = SSD_FOLD_THREADS, class Tab, class AC, class AF, class BR, class BS, class Out>
+MB_DEV void ssd_fold(int64_t n, Tab tables, AC acopy, AF afix, BR brow, BS bscale, Out out,
                      float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
     constexpr int V = SSD_FOLD_THREADS / T, FS = SSD_FJ / 2;
@@ -488,8 +501,8 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bsca
         const int nj = n - j0 < FS ? (int)(n - j0) : FS;
 #pragma unroll
         for (int u = 0; u < NA; u++) {
-            const int e = t + T * u, r = e / PA, c = 4 * (e % PA);
-            mb_cp_async16(&sA[st * FS + r][c], arow(r < nj ? j0 + r : j0) + c, r < nj ? 16 : 0);
+            const int e = t + T * u, r = e / PA;
+            acopy(r < nj ? j0 + r : j0, st * FS + r, 4 * (e % PA), r < nj);
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {
@@ -520,7 +533,7 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AR arow, AS ascale, BR brow, BS bsca
 #pragma unroll
         for (int u = 0; u < NA; u++) {
             const int e = t + T * u, r = e / PA;
-            if (r < nj) ssd_scale4(&sA[st * FS + r][4 * (e % PA)], ascale(j0 + r));
+            if (r < nj) afix(j0 + r, st * FS + r, 4 * (e % PA));
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {

@@ -130,7 +130,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m2_fold_k(M2_FOLD_PARAMS)
             ex = mb_exp(last);
             for (int64_t j = threadIdx.x; j < n; j += SSD_FOLD_THREADS) dec[j] = mb_exp(last - csc[j]);
         },
-        [&](int64_t j) { return u + j * CD + di; }, [&](int64_t j) { return dec[j]; },
+        ssd_rows_a([&](int64_t j) { return u + j * CD + di; }, sA),
+        ssd_scale_a([&](int64_t j) { return dec[j]; }, sA),
         [&](int64_t j) { return u + j * CD + h * SSD_HP; }, [&](int64_t j) { return dtc[j]; },
         [&](int64_t e, float4 v) { ssd_put4(o, hi, ex, e, v); }, sA, sB);
     if (!hin && threadIdx.x == 0) E[ch] = ex;

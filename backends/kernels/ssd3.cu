@@ -103,12 +103,33 @@ MB_DEV float2 m3_rot2(float2 x, float2 b, float2 z)
     return make_float2(x0 * z.x - x1 * z.y, x0 * z.y + x1 * z.x);
 }
 
-/* Token tok (ext row index e = ext row * H + h) at angle th: pair (2r, 2r + 1) of
- * the biased q and k rotated, dims 64 + 2r, 64 + 2r + 1 copied unrotated; rot
- * (optional) receives cos and sin at rot[(e * M3A + r) * 2 + {0, 1}]. */
-MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t r,
+/* Four columns of a new row, x: its two pairs biased by b and turned by z (two turns). */
+MB_DEV float4 m3_fix_piece(float4 x, float4 b, float4 z)
+{
+    const float2 u = m3_rot2(make_float2(x.x, x.y), make_float2(b.x, b.y), make_float2(z.x, z.y));
+    const float2 v = m3_rot2(make_float2(x.z, x.w), make_float2(b.z, b.w), make_float2(z.z, z.w));
+    return make_float4(u.x, u.y, v.x, v.y);
+}
+
+/* Columns c .. c + 3 of a new row of q or k from its normed row's piece x and the
+ * head's bias piece b, as m3_rotate_token makes them: below 2 M3A turned by z (the
+ * turns of pairs c / 2 and c / 2 + 1, as mb_m3_angles_k parks them at column c),
+ * else biased only. */
+MB_DEV float4 m3_form4(float4 x, float4 b, float4 z, int c)
+{
+    if (c < 2 * M3A) return m3_fix_piece(x, b, z);
+    return make_float4(x.x + b.x, x.y + b.y, x.z + b.z, x.w + b.w);
+}
+
+/* the turn (cos, sin) of angle th */
+MB_DEV float2 m3_turn_of(float th) { return make_float2(mb_cos(th), mb_sin(th)); }
+
+/* Token tok (ext row index e = ext row * H + h) turned by z (m3_turn_of its angle r):
+ * pair (2r, 2r + 1) of the biased q and k rotated, dims 64 + 2r, 64 + 2r + 1 copied
+ * unrotated. */
+MB_DEV void m3_rotate_token(float2 z, int64_t h, int64_t tok, int64_t e, int64_t r,
                             const float *Bn, const float *Cn, const float *B_bias,
-                            const float *C_bias, float *Q, float *K, float *rot)
+                            const float *C_bias, float *Q, float *K)
 {
     /* every input read before any output is written (the compiler must assume they
      * may alias, and would hold a later load back behind an earlier store) */
@@ -118,13 +139,7 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
     const float2 cr = pair(c), cbr = pair(cb), kr = pair(k), kbr = pair(kb);
     const float2 cu = pair(c + 2 * M3A), cbu = pair(cb + 2 * M3A);
     const float2 ku = pair(k + 2 * M3A), kbu = pair(kb + 2 * M3A);
-    const float cs = mb_cos(th), sn = mb_sin(th);
-    if (rot) {
-        rot[(e * M3A + r) * 2] = cs;
-        rot[(e * M3A + r) * 2 + 1] = sn;
-    }
     float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
-    const float2 z = make_float2(cs, sn);
     *(float2 *)(qo + 2 * r) = m3_rot2(cr, cbr, z);
     *(float2 *)(ko + 2 * r) = m3_rot2(kr, kbr, z);
     *(float2 *)(qo + 2 * M3A + 2 * r) = make_float2(cu.x + cbu.x, cu.y + cbu.y);
@@ -137,9 +152,10 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
 #define M3_ANG_PER ((M3_ANG_NB + M3_ANG_HW - 1) / M3_ANG_HW) /* tokens a helper thread */
 
 /* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone (the
- * only serial part of the rotation), each token's angle r parked in q's slot r (a row's
- * 32 in one coalesced store), which mb_m3_rotate_k then reads and overwrites. theta (B,
- * H, M3A) ends after the row's last token; theta_last (optional) receives the same.
+ * only serial part of the rotation), each token's angle r parked in slot r of its row
+ * of park (H x SSD_NS floats an ext row), or with turns its turn (m3_turn_of) in slots
+ * 2r, 2r + 1 (a row's 32 in one coalesced store). theta (B, H, M3A) ends after the
+ * row's last token; theta_last (optional) receives the same.
  * Thread r < M3A walks angle r's chain and nothing else, so a step is the chain's
  * arithmetic with one shared load and store: the helpers, groups of M3A threads from
  * the next warp on (thread r of group w: angle r of tokens w, w + M3_ANG_HW, ...), form
@@ -149,7 +165,8 @@ MB_DEV void m3_rotate_token(float th, int64_t h, int64_t tok, int64_t e, int64_t
  * two selects instead of the quotient's seven steps. */
 MB_KERNEL void MB_BOUNDS(M3_ANG_THREADS)
 mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, const int64_t *t0,
-               const float *TA, const float *DT, float *theta, float *Q, float *theta_last)
+               const float *TA, const float *DT, float *theta, float *park, int64_t turns,
+               float *theta_last)
 {
     __shared__ float inc[2][M3_ANG_NB][M3A], ang[2][M3_ANG_NB][M3A];
     MB_GRID_WAIT();
@@ -185,7 +202,7 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     };
     auto flush = [&](int64_t n) {
         const int cnt = tokens(n);
-        float *q = Q + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + r;
+        float *q = park + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + (turns ? 2 * r : r);
         float v[M3_ANG_PER];
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
@@ -195,7 +212,11 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
             const int u = hw + j * M3_ANG_HW;
-            if (u < cnt) q[u * H * SSD_NS] = v[j];
+            if (u >= cnt) continue;
+            if (turns)
+                *(float2 *)(q + u * H * SSD_NS) = m3_turn_of(v[j]);
+            else
+                q[u * H * SSD_NS] = v[j];
         }
     };
     const int64_t i = (int64_t)blockIdx.x * M3A + tid;
@@ -258,25 +279,23 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
 #undef M3_ANG_HW
 #undef M3_ANG_PER
 
-/* One thread per (new token, head, angle): m3_rotate_token at the angle that
- * mb_m3_angles_k parked in slot r of q's row, which the row's pairs overwrite: a
- * block's rows (whole, blockDim a multiple of M3A) read all their angles first. Grid
- * (x over the row's tokens * H * M3A, y over rows). */
+/* One thread per (new token of a row's last chunk, head, angle r): m3_rotate_token by
+ * the turn that mb_m3_angles_k parked in slots 2r, 2r + 1 of k's row, which pair r then
+ * overwrites (the earlier chunks' q and k are formed where used: m3_form4). Grid (x
+ * over M3Q * H * M3A, y over rows). */
 MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *Bn, const float *Cn,
                               const float *B_bias, const float *C_bias, float *Q, float *K)
 {
     MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
-        const int64_t o = off[b], e0 = eoff[b] + t0[b], n = (off[b + 1] - o) * H * M3A;
-        for (int64_t j0 = (int64_t)blockIdx.x * blockDim.x; j0 < n;
-             j0 += (int64_t)gridDim.x * blockDim.x) {
-            const int64_t j = j0 + threadIdx.x;
-            const int64_t t = j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
+        const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
+        const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b], t1 = tr < 0 ? 0 : tr;
+        MB_GRID_LOOP(j, (T - t1) * H * M3A) {
+            const int64_t t = t1 + j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
             const int64_t e = (e0 + t) * H + h;
-            const float th = j < n ? Q[e * SSD_NS + r] : 0.0f;
-            __syncthreads();
-            if (j < n) m3_rotate_token(th, h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q, K, NULL);
+            const float2 z = *(const float2 *)(K + e * SSD_NS + 2 * r);
+            m3_rotate_token(z, h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q, K);
         }
     }
 }
@@ -411,13 +430,14 @@ MB_KERNEL void mb_m3_pending_k(int64_t B, int64_t H, const int64_t *eoff, const 
 
 /* A chunk's fold of n rows on a block of T threads: row j's A * dt adt(j) and scale
  * scl(j) into shared memory, the cumsum serial over them, then ssd_fold of the terms
- * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j = krow(j) and
- * v_j = vrow(j); out(e, v, exp(cs_last)) per four elements (as ssd_fold's out). cs,
- * sc, dec: M3Q floats of shared memory each. The tables are made while the first
- * rows' copy is in flight. */
-template <int T, class Adt, class Scl, class KR, class VR, class Out>
-MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, float *cs, float *sc,
-                    float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
+ * (k_j[m] * scale_j) (v_j[p] * dec_j), dec_j = exp(cs_last - cs_j), k_j the row that
+ * kcopy and kform make (as ssd_fold's acopy and afix, before the scale) and v_j =
+ * vrow(j); out(e, v, exp(cs_last)) per four elements (as ssd_fold's out). cs, sc,
+ * dec: M3Q floats of shared memory each. The tables are made while the first rows'
+ * copy is in flight. */
+template <int T, class Adt, class Scl, class KC, class KF, class VR, class Out>
+MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KC kcopy, KF kform, VR vrow, Out out, float *cs,
+                    float *sc, float *dec, float (*sA)[SSD_NS], float (*sB)[SSD_HP])
 {
     const int t = threadIdx.x;
     float ex = 0.0f;
@@ -445,7 +465,12 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
         ex = mb_exp(last);
         if (t < n) dec[t] = mb_exp(last - cs[t]);
     };
-    ssd_fold<T>(n, tables, krow, [&](int64_t j) { return sc[j]; }, vrow,
+    ssd_fold<T>(n, tables, kcopy,
+                [&](int64_t j, int s, int c) {
+                    kform(j, s, c);
+                    ssd_scale4(&sA[s][c], sc[j]);
+                },
+                vrow,
                 [&](int64_t j) { return dec[j]; }, [&](int64_t e, float4 v) { out(e, v, ex); },
                 sA, sB);
 }
@@ -455,17 +480,21 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KR krow, VR vrow, Out out, floa
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
  * out[c, h] = fma(exp(cs_last), hin[c, h], S). krow (optional): K's row of the
  * chunk's row 0 for row b = krow[b] (fast mode's K of the last chunks alone), else
- * the ext row. */
+ * the ext row. Bn (optional, without hin): the new rows' k formed from the normed B
+ * rows Bn and B_bias (H, SSD_NS) by the turns mb_m3_angles_k parked in K (m3_form4). */
 #define M3_FOLD_PARAMS                                                                   \
     const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
         const float *SIG, const float *ADT, const float *hin, float *out, float *E
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
+mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *B_bias)
 {
     MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
+    __shared__ __align__(16) float4 sT[SSD_FJ][2 * M3A / 4]; /* new rows' turns */
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS, k0 = krow ? krow[d[0]] : e0;
+    const int64_t r0 = Bn ? d[3] : n, tok0 = d[4] - d[3]; /* rows from r0 on are formed */
     const bool sealed = d[5] != 0;
     if (!hin && !sealed) return;
     float *o = out + ch * per;
@@ -473,7 +502,21 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_m3_fold_k(M3_FOLD_PARAMS, c
     m3_fold<SSD_FOLD_THREADS>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
-        [&](int64_t j) { return K + ((k0 + j) * H + h) * SSD_NS; },
+        [&](int64_t j, int s, int m, bool in) {
+            const float *k = K + ((k0 + j) * H + h) * SSD_NS + m;
+            if (j < r0) {
+                mb_cp_async16(&sA[s][m], k, in ? 16 : 0);
+                return;
+            }
+            mb_cp_async16(&sA[s][m], Bn + (tok0 + j) * SSD_NS + m, in ? 16 : 0);
+            if (m < 2 * M3A) mb_cp_async16(&sT[s][m / 4].x, k, in ? 16 : 0);
+        },
+        [&](int64_t j, int s, int m) {
+            if (j < r0) return;
+            float4 *x = (float4 *)&sA[s][m];
+            *x = m3_form4(*x, *(const float4 *)(B_bias + h * SSD_NS + m),
+                          m < 2 * M3A ? sT[s][m / 4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), m);
+        },
         [&](int64_t j) { return V + ((e0 + j) * H + h) * SSD_HP; },
         [&](int64_t e, float4 v, float ex) {
             ssd_put4(o, hi, ex, e, v);
@@ -578,14 +621,6 @@ MB_DEV void m3_fast_rot_tables(int64_t n, int64_t r0, int64_t tok0, int64_t H, i
 MB_DEV float4 m3_turns(int p, float a, float b)
 {
     const float2 u = m3_turn(p, a), v = m3_turn(p + 1, b);
-    return make_float4(u.x, u.y, v.x, v.y);
-}
-
-/* Four columns of a new row, x: its two pairs biased by b and turned by z (m3_turns). */
-MB_DEV float4 m3_fix_piece(float4 x, float4 b, float4 z)
-{
-    const float2 u = m3_rot2(make_float2(x.x, x.y), make_float2(b.x, b.y), make_float2(z.x, z.y));
-    const float2 v = m3_rot2(make_float2(x.z, x.w), make_float2(b.z, b.w), make_float2(z.z, z.w));
     return make_float4(u.x, u.y, v.x, v.y);
 }
 
@@ -772,17 +807,20 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
  * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i <
  * n. yg may be z itself (dip = di): each element of z is read only by the thread that
  * then writes it.
- * The rows of q with k (for G), then of q with h_prev (for ys), are copied as they
- * lie by cp.async, SSD_RK state columns a stage in a ring of two (ssd_mma_stage), v
- * with the first stage; each thread scales the k pieces it copied itself, so one
- * barrier a stage suffices. Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py),
- * which fits AMD's 64 KiB. */
+ * The rows of q with k (for G), then of q with h_prev (for ys), are copied by
+ * cp.async, SSD_RK state columns a stage in a ring of two (ssd_mma_stage), v with the
+ * first stage; each thread readies the pieces it copied itself (k scaled), so one
+ * barrier a stage suffices. With Bn, a sealed chunk's new rows of q and k are formed
+ * from the normed C and B rows Cn, Bn, the biases (H, SSD_NS) and the turns that
+ * mb_m3_angles_k parked in K (m3_form4); other rows are Q's and K's as they lie.
+ * Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py), which fits AMD's 64 KiB. */
 #define M3YI_STAGES (2 * SSD_NS / SSD_RK)
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
-MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m3_y_k(M3_Y_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4)
+mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, const float *C_bias)
 {
     constexpr int T = SSD_OUT, RN = SSD_ORN;
     static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
@@ -794,23 +832,29 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m3_y_k(M3_Y_PARAMS)
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
+    const int64_t f0 = Bn && d[5] ? r0 : n, tok0 = d[4] - r0; /* rows from f0 on are formed */
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
-    const int t = threadIdx.x, tj = t % 64, half = t / 64;
+    const int t = threadIdx.x, tj = t % 64, half = t / 64, cc = 4 * (t % 4);
+    constexpr int NU = 64 * 4 / T; /* a thread's rows of a stage */
+    float4 turn[NU] = {}; /* the turns of the thread's formed pieces of the stage in flight */
     /* stage st: columns m0.. of q's rows and of k's (st < M3YI_STAGES / 2) or h_prev's
      * rows; thread t copies rows t / 4 + 32 u at column 4 (t % 4) (rows past n: +0) */
     auto issue = [&](int st) {
-        const int m0 = st * SSD_RK % SSD_NS, cc = 4 * (t % 4);
+        const int m = st * SSD_RK % SSD_NS + cc;
 #pragma unroll
-        for (int u = 0; u < 64 * 4 / T; u++) {
+        for (int u = 0; u < NU; u++) {
             const int r = t / 4 + T / 4 * u;
-            const bool in = r < n;
-            mb_cp_async16(&ring[st % 2][0][r][cc], q + (in ? r : 0) * ld + m0 + cc, in ? 16 : 0);
+            const bool in = r < n, nw = in && r >= f0;
+            const float *kr = k + (in ? r : 0) * ld + m;
+            mb_cp_async16(&ring[st % 2][0][r][cc], nw ? Cn + (tok0 + r) * SSD_NS + m : q + (in ? r : 0) * ld + m,
+                          in ? 16 : 0);
             if (st < M3YI_STAGES / 2)
-                mb_cp_async16(&ring[st % 2][1][r][cc], k + (in ? r : 0) * ld + m0 + cc,
+                mb_cp_async16(&ring[st % 2][1][r][cc], nw ? Bn + (tok0 + r) * SSD_NS + m : kr,
                               in ? 16 : 0);
             else
-                mb_cp_async16(&ring[st % 2][1][r][cc], hp + r * SSD_NS + m0 + cc, 16);
+                mb_cp_async16(&ring[st % 2][1][r][cc], hp + r * SSD_NS + m, 16);
+            if (nw && m < 2 * M3A) turn[u] = *(const float4 *)kr;
         }
     };
     issue(0);
@@ -861,12 +905,18 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m3_y_k(M3_Y_PARAMS)
     ssd_zero(acc);
     for (int st = 0; st < M3YI_STAGES; st++) {
         mb_cp_wait<0>(); /* this thread's copies of stage st (and v) landed */
-        if (st < M3YI_STAGES / 2) {
+        const int m = st * SSD_RK % SSD_NS + cc;
 #pragma unroll
-            for (int u = 0; u < 64 * 4 / T; u++) {
-                const int r = t / 4 + T / 4 * u;
-                if (r < n) ssd_scale4(&ring[st % 2][1][r][4 * (t % 4)], sc[r]);
+        for (int u = 0; u < NU; u++) {
+            const int r = t / 4 + T / 4 * u;
+            float4 *qx = (float4 *)&ring[st % 2][0][r][cc], *kx = (float4 *)&ring[st % 2][1][r][cc];
+            if (r >= n) continue;
+            if (r >= f0) {
+                *qx = m3_form4(*qx, *(const float4 *)(C_bias + h * SSD_NS + m), turn[u], m);
+                if (st < M3YI_STAGES / 2)
+                    *kx = m3_form4(*kx, *(const float4 *)(B_bias + h * SSD_NS + m), turn[u], m);
             }
+            if (st < M3YI_STAGES / 2) ssd_scale4(&kx->x, sc[r]);
         }
         __syncthreads(); /* stage st is ready for all; the other slot is consumed */
         if (st + 1 < M3YI_STAGES) issue(st + 1);

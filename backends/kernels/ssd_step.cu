@@ -369,7 +369,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
         const int64_t at = bh * M3A + tid;
         const float th = m3_angle(theta[at], ta[tid], nt[0]);
         theta[at] = th;
-        m3_rotate_token(th, hh, 0, 0, tid, bc[0], bc[1], B_bias, C_bias, qs, ks, NULL);
+        m3_rotate_token(m3_turn_of(th), hh, 0, 0, tid, bc[0], bc[1], B_bias, C_bias, qs, ks);
     }
     __syncthreads(); /* q and k are written */
     float *hs = h + bh * per, *sg = seg + bh * (M3Q + 1);
@@ -394,7 +394,8 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
     if (seal) {
         m3_fold<STEP_Y3>(
             M3Q, [&](int64_t j) { return bad[at(j)]; }, [&](int64_t j) { return scale(j, M3Q); },
-            [&](int64_t j) { return bk + at(j) * SSD_NS; },
+            ssd_rows_a([&](int64_t j) { return bk + at(j) * SSD_NS; }, fA),
+            [](int64_t, int, int) {},
             [&](int64_t j) { return bv + at(j) * SSD_HP; },
             [&](int64_t e, float4 v, float ex) { ssd_put4(hs, hs, ex, e, v); }, cs, sc, dec,
             fA, fB);
