@@ -838,8 +838,9 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
     const int t = threadIdx.x, tj = t % 64, half = t / 64, cc = 4 * (t % 4);
     constexpr int NU = 64 * 4 / T; /* a thread's rows of a stage */
     float4 turn[NU] = {}; /* the turns of the thread's formed pieces of the stage in flight */
-    /* stage st: columns m0.. of q's rows and of k's (st < M3YI_STAGES / 2) or h_prev's
-     * rows; thread t copies rows t / 4 + 32 u at column 4 (t % 4) (rows past n: +0) */
+    /* stage st: SSD_RK columns from st * SSD_RK % SSD_NS of q's rows and of k's (st <
+     * M3YI_STAGES / 2) or h_prev's; thread t copies rows t / 4 + 32 u at the stage's
+     * column cc (rows past n: +0) */
     auto issue = [&](int st) {
         const int m = st * SSD_RK % SSD_NS + cc;
 #pragma unroll
@@ -847,7 +848,8 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
             const int r = t / 4 + T / 4 * u;
             const bool in = r < n, nw = in && r >= f0;
             const float *kr = k + (in ? r : 0) * ld + m;
-            mb_cp_async16(&ring[st % 2][0][r][cc], nw ? Cn + (tok0 + r) * SSD_NS + m : q + (in ? r : 0) * ld + m,
+            mb_cp_async16(&ring[st % 2][0][r][cc],
+                          nw ? Cn + (tok0 + r) * SSD_NS + m : q + (in ? r : 0) * ld + m,
                           in ? 16 : 0);
             if (st < M3YI_STAGES / 2)
                 mb_cp_async16(&ring[st % 2][1][r][cc], nw ? Bn + (tok0 + r) * SSD_NS + m : kr,
@@ -909,7 +911,8 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
 #pragma unroll
         for (int u = 0; u < NU; u++) {
             const int r = t / 4 + T / 4 * u;
-            float4 *qx = (float4 *)&ring[st % 2][0][r][cc], *kx = (float4 *)&ring[st % 2][1][r][cc];
+            float4 *qx = (float4 *)&ring[st % 2][0][r][cc];
+            float4 *kx = (float4 *)&ring[st % 2][1][r][cc];
             if (r >= n) continue;
             if (r >= f0) {
                 *qx = m3_form4(*qx, *(const float4 *)(C_bias + h * SSD_NS + m), turn[u], m);
