@@ -14,7 +14,7 @@ pieces of _cuda_grad.py.
 from types import SimpleNamespace
 
 from ._cuda_ssd import (_plan, _release, _bits, M2_Q, NS, HP, FOLD_THREADS, G_TILES, TILE_THREADS,
-                        M2YI_SMEM, OUT_THREADS, M2F_THREADS)
+                        M2YI_SMEM, OUT_THREADS, IFOLD_THREADS)
 
 ROW_TILE = 32      # back2.cu BT: the rows of a block of mb_m2b_dgs_k and mb_m2b_bc_k
 COL_THREADS = 256  # back2.cu COL_THREADS
@@ -89,7 +89,7 @@ class Back2Mixin:
         Ec, hck = f(NC * H), f(NC * H * per)
         with _Scratch(self, st) as t:
             S, h0 = t(NC * H * per), t(B * H * per)
-            self._launch(s, "mb_m2_fold_k", (NC, H), M2F_THREADS,
+            self._launch(s, "mb_m2_fold_k", (NC, H), IFOLD_THREADS,
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
             self._fill32(s, h0, 0, B * H * per)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), T,

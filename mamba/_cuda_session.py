@@ -21,7 +21,7 @@ import operator
 
 from . import _core, _cuda_ssd, _intake as chk
 from ._cuda import NONE, THREADS, _M1Buffers, _Mem
-from ._cuda_ssd import HP, M2F_THREADS, M3F_THREADS, M2_Q, M3_Q, NS
+from ._cuda_ssd import HP, IFOLD_THREADS, M2_Q, M3_Q, NS
 
 STEP_PS = 2  # ssd_step.cu: blocks per head of mb_m2_step_y_k, HP / STEP_PS columns each
 STEP_CB, STEP_CBT = 32, 128  # ssd_step.cu: rows per block of mb_m2_step_cb_k, threads
@@ -346,7 +346,7 @@ class M2Session(_SsdSession):
         s = be.stream()
         self._follow(s)
         out = be.empty(self.h.shape, like=self.h)
-        be._launch(s.cu, "mb_m2_fold_k", (self.B, self.H), M2F_THREADS, self.rep, self.H,
+        be._launch(s.cu, "mb_m2_fold_k", (self.B, self.H), IFOLD_THREADS, self.rep, self.H,
                    self.di, self.CD, self.bx, self.dt, self.cs, self.h, out, 0)
         return out
 
@@ -423,7 +423,7 @@ class M3Session(_SsdSession):
         out = tuple(be.empty(p.shape, like=p) for p in (st.h, st.pending_k, st.pending_v, st.theta))
         bk, bv, bdt, bsg, bad = self.bufs
         L = be._launch
-        L(s.cu, "mb_m3_fold_k", (B, H), M3F_THREADS,
+        L(s.cu, "mb_m3_fold_k", (B, H), IFOLD_THREADS,
           self.rep, H, bk, bv, bdt, bsg, bad, st.h, out[0], 0, 0, 0, 0)
         L(s.cu, "mb_m3_last_k", (be._grid(B * H * (NS + HP)),), THREADS,
           B, H, self.last_row, bk, bv, out[1], out[2], 0)

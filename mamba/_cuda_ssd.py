@@ -28,8 +28,7 @@ from . import _core
 M2_Q, M3_Q, NS, HP, NA = 256, 64, 128, 64, 32
 DESC = 6          # ssd.cu MB_DESC: b, e0, n, r0, tok, fold
 FOLD_THREADS = 256
-M2F_THREADS = 128  # ssd2.cu M2F_UT: mb_m2_fold_k
-M3F_THREADS = 128  # ssd3.cu M3F_UT: mb_m3_fold_k
+IFOLD_THREADS = 128  # ssd.cu SSD_IFOLD: mb_m2_fold_k and mb_m3_fold_k
 TILE_THREADS = 64  # ssd.cu SSD_UT: mb_m2_g_k
 OUT_THREADS = 128  # ssd.cu SSD_OUT: mb_m2_y_k and mb_m3_y_k
 M2Y_THREADS = 256  # ssd2.cu: mb_fast_m2_y_k
@@ -338,7 +337,7 @@ class SsdMixin:
             self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
             S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
-            self._launch(s, fold_k, (NC, H), FOLD_THREADS if tc else M2F_THREADS,
+            self._launch(s, fold_k, (NC, H), FOLD_THREADS if tc else IFOLD_THREADS,
                          I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
             self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
                          B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
@@ -398,7 +397,7 @@ class SsdMixin:
             dt, dA, cs = sc(B * H * M2_Q), sc(B * H * M2_Q), sc(B * H * M2_Q)
             self._m2_prep(s, B, dp, H, bd, dt_bias, A_log, (lo, hi), dt, dA, cs)
             od = out.ptr if on_device else sc(out.size)
-            self._launch(s, "mb_m2_fold_k", (B, H), M2F_THREADS, dp, H, di, CD, bx, dt, cs, h,
+            self._launch(s, "mb_m2_fold_k", (B, H), IFOLD_THREADS, dp, H, di, CD, bx, dt, cs, h,
                          od, 0)
             self._finish(st, [] if on_device else [(out, od)])
         if on_device and producer != st.number:  # the copies are freed in the producer's order
@@ -508,7 +507,7 @@ class SsdMixin:
                           rot)
             # reports of each row's last token, then the working chunk into the state
             krow = I["coff"] if tc else 0
-            self._launch(s, "mb_m3_fold_k", (B, H), M3F_THREADS,
+            self._launch(s, "mb_m3_fold_k", (B, H), IFOLD_THREADS,
                          I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, krow, 0, 0)
             self._launch(s, "mb_m3_last_k", (self._grid(B * H * (NS + HP)),), C.THREADS,
                          B, H, I["last"], K, V, rep[1], rep[2], I["last_c"] if tc else 0)
@@ -548,7 +547,7 @@ class SsdMixin:
         tc: fast mode's tensor-core kernel; rot (identical) as m3_y's, its new rows'
         k formed from Bn and B_bias by the turns in K."""
         form = (rot[0], rot[2]) if rot else (0, 0)
-        self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS if tc else M3F_THREADS,
+        self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS if tc else IFOLD_THREADS,
                      desc, H, K, V, DT, SIG, ADT, 0, S, E,
                      *(() if tc else (0, *form)))  # the identical kernel's krow: ext rows
 

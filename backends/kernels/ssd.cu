@@ -463,6 +463,7 @@ template <class F> MB_DEV void ssd_stage(float (*dst)[SSD_LD], int nk, F src)
 }
 
 #define SSD_FOLD_THREADS 256
+#define SSD_IFOLD 128 /* the identical folds' blocks: two of ssd_fold's virtual threads a thread */
 #define SSD_FJ 32 /* rows of a fold's shared buffers: two stages of SSD_FJ / 2 */
 
 /* ssd_fold's A side for rows as they lie at row(j), and scaled by scale(j) */

@@ -99,16 +99,15 @@ mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
     }
 }
 
-/* Block (chunk c, head h), M2F_UT threads (two of ssd_fold's virtual threads each).
- * Without hin: chunks with the fold flag write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports,
- * chunk c is row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
+/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
+ * write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports, chunk c is
+ * row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
  * S's terms are (B_j[m] * dec_j) (x_j[p] * dt_j), each product rounded once as in
  * block2.c. */
 #define M2_FOLD_PARAMS                                                                      \
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *dt,  \
         const float *cs, const float *hin, float *out, float *E
-#define M2F_UT 128
-MB_KERNEL void MB_BOUNDS_MIN(M2F_UT, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
 {
     MB_GRID_WAIT();
     __shared__ float dec[M2Q];
@@ -117,19 +116,19 @@ MB_KERNEL void MB_BOUNDS_MIN(M2F_UT, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
     const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
     if (!hin && !d[5]) return;
     if (n == 0) {
-        for (int64_t e = threadIdx.x; e < per; e += M2F_UT) out[ch * per + e] = hin[ch * per + e];
+        for (int64_t e = threadIdx.x; e < per; e += SSD_IFOLD) out[ch * per + e] = hin[ch * per + e];
         return;
     }
     const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q, *u = U + e0 * CD;
     float ex = 0.0f;
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    ssd_fold<M2F_UT>(
+    ssd_fold<SSD_IFOLD>(
         n,
         [&] {
             const float last = csc[n - 1];
             ex = mb_exp(last);
-            for (int64_t j = threadIdx.x; j < n; j += M2F_UT) dec[j] = mb_exp(last - csc[j]);
+            for (int64_t j = threadIdx.x; j < n; j += SSD_IFOLD) dec[j] = mb_exp(last - csc[j]);
         },
         ssd_rows_a([&](int64_t j) { return u + j * CD + di; }, sA),
         ssd_scale_a([&](int64_t j) { return dec[j]; }, sA),

@@ -475,8 +475,8 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KC kcopy, KF kform, VR vrow, Ou
                 sA, sB);
 }
 
-/* Block (chunk c, head h), M3F_UT threads (two of ssd_fold's virtual threads each).
- * Without hin: chunks with the fold flag (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
+/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
+ * (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
  * out[c, h] = fma(exp(cs_last), hin[c, h], S). krow (optional): K's row of the
  * chunk's row 0 for row b = krow[b] (fast mode's K of the last chunks alone), else
@@ -485,8 +485,7 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KC kcopy, KF kform, VR vrow, Ou
 #define M3_FOLD_PARAMS                                                                   \
     const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
         const float *SIG, const float *ADT, const float *hin, float *out, float *E
-#define M3F_UT 128
-MB_KERNEL void MB_BOUNDS_MIN(M3F_UT, 4)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4)
 mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *B_bias)
 {
     MB_GRID_WAIT();
@@ -500,7 +499,7 @@ mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *
     if (!hin && !sealed) return;
     float *o = out + ch * per;
     const float *hi = hin ? hin + ch * per : nullptr;
-    m3_fold<M3F_UT>(
+    m3_fold<SSD_IFOLD>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
         [&](int64_t j, int s, int m, bool in) {
