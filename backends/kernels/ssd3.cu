@@ -279,6 +279,10 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
 #undef M3_ANG_HW
 #undef M3_ANG_PER
 
+/* The first of a row's T new tokens in its last chunk, less the t0 rows held from the
+ * state: negative where the chunk begins among those rows. */
+MB_DEV int64_t m3_last_chunk(int64_t t0, int64_t T) { return (t0 + T - 1) / M3Q * M3Q - t0; }
+
 /* One thread per (new token of a row's last chunk, head, angle r): m3_rotate_token by
  * the turn that mb_m3_angles_k parked in slots 2r, 2r + 1 of k's row, which pair r then
  * overwrites (the earlier chunks' q and k are formed where used: m3_form4). Grid (x
@@ -290,7 +294,7 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
     MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
         const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
-        const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b], t1 = tr < 0 ? 0 : tr;
+        const int64_t tr = m3_last_chunk(t0[b], T), t1 = tr < 0 ? 0 : tr;
         MB_GRID_LOOP(j, (T - t1) * H * M3A) {
             const int64_t t = t1 + j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
             const int64_t e = (e0 + t) * H + h;
@@ -348,7 +352,7 @@ mb_fast_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eof
     const int64_t o = off[b], T = off[b + 1] - o, e0 = eoff[b] + t0[b];
     const int64_t run = (T + M3R_RUNS - 1) / M3R_RUNS, ta = u * run;
     const int64_t tb = ta + run < T ? ta + run : T;
-    const int64_t tr = (t0[b] + T - 1) / M3Q * M3Q - t0[b]; /* the last chunk's first token */
+    const int64_t tr = m3_last_chunk(t0[b], T);
     auto inc = [&](int64_t t) { return TA[(o + t) * M3A + r] * DT[(e0 + t) * H + h]; };
     auto walk = [&](int64_t from, int64_t to, auto f) { /* f(t, increment) for t in [from, to) */
         for (int64_t t1 = from; t1 < to; t1 += M3R_AHEAD) {
