@@ -276,33 +276,54 @@ MB_DEV void ssd_mma64_tri(float (&acc)[RN][8], const float (*a)[SSD_LD],
 }
 
 /* ssd_mma64 on operands staged as they lie in memory (rows k-contiguous, as cp.async
- * copies them; lda, ldb multiples of 4, 4 mod 32 at best): acc[r][q] continued over
- * the K terms of row a + r lda and row b + 8 q ldb, four terms a float4 of each row.
- * Thread t passes its rows ssd_r<RN>(t) and column rows t % 8 (a quarter-warp reads 8
- * consecutive rows: distinct banks), so its outputs are columns t % 8 + 8 q. */
-template <int K, int LDA, int LDB, int RN>
-MB_DEV void ssd_mma_rows(float (&acc)[RN][8], const float *a, const float *b)
+ * copies them; lda, ldb multiples of 4, 4 mod 32 at best): acc[f][r][q] continued over
+ * the K terms of row a + r lda and row b[f] + 8 q ldb, four terms a float4 of each row,
+ * for NB right factors b[f] sharing the left one. Thread t passes its rows
+ * ssd_r<RN>(t) and column rows t % 8 (a quarter-warp reads 8 consecutive rows:
+ * distinct banks), so its outputs are columns t % 8 + 8 q. */
+template <int K, int LDA, int LDB, int RN, int NB, int QG = 8>
+MB_DEV void ssd_mma_rows(float (&acc)[NB][RN][8], const float *a, const float *const (&b)[NB])
 {
 #pragma unroll
     for (int k = 0; k < K; k += 4) {
-        float4 x[RN], y[8];
+        float4 x[RN];
 #pragma unroll
         for (int r = 0; r < RN; r++) x[r] = *(const float4 *)(a + r * LDA + k);
-#pragma unroll
-        for (int q = 0; q < 8; q++) y[q] = *(const float4 *)(b + 8 * q * LDB + k);
-        float xs[4][RN], ys[4][8];
+        float xs[4][RN];
 #pragma unroll
         for (int r = 0; r < RN; r++) {
             xs[0][r] = x[r].x, xs[1][r] = x[r].y;
             xs[2][r] = x[r].z, xs[3][r] = x[r].w;
         }
 #pragma unroll
-        for (int q = 0; q < 8; q++) {
-            ys[0][q] = y[q].x, ys[1][q] = y[q].y;
-            ys[2][q] = y[q].z, ys[3][q] = y[q].w;
-        }
+        for (int f = 0; f < NB; f++)
 #pragma unroll
-        for (int u = 0; u < 4; u++) ssd_fma(acc, xs[u], ys[u]);
+            for (int q0 = 0; q0 < 8; q0 += QG) {
+                float4 y[QG];
+#pragma unroll
+                for (int q = 0; q < QG; q++) y[q] = *(const float4 *)(b[f] + 8 * (q0 + q) * LDB + k);
+                if constexpr (QG == 8) {
+                    float ys[4][8];
+#pragma unroll
+                    for (int q = 0; q < 8; q++) {
+                        ys[0][q] = y[q].x, ys[1][q] = y[q].y;
+                        ys[2][q] = y[q].z, ys[3][q] = y[q].w;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; u++) ssd_fma(acc[f], xs[u], ys[u]);
+                } else { /* fewer registers live */
+#pragma unroll
+                    for (int u = 0; u < 4; u++)
+#pragma unroll
+                        for (int r = 0; r < RN; r++)
+#pragma unroll
+                            for (int q = 0; q < QG; q++) {
+                                const float4 w = y[q];
+                                const float yu = u == 0 ? w.x : u == 1 ? w.y : u == 2 ? w.z : w.w;
+                                acc[f][r][q0 + q] = fmaf(xs[u][r], yu, acc[f][r][q0 + q]);
+                            }
+                }
+            }
     }
 }
 MB_DEV int ssd_cr(int t, int q) { return t % 8 + 8 * q; } /* ssd_mma_rows' column q */
@@ -316,8 +337,9 @@ template <int RN>
 MB_DEV void ssd_mma_stage(float (&acc)[RN][8], const float (*slot)[64][SSD_RLD])
 {
     const int t = threadIdx.x;
-    ssd_mma_rows<SSD_RK, SSD_RLD, SSD_RLD, RN>(acc, &slot[0][ssd_r<RN>(t)][0],
-                                                &slot[1][t % 8][0]);
+    const float *const b[1] = {&slot[1][t % 8][0]};
+    ssd_mma_rows<SSD_RK, SSD_RLD, SSD_RLD, RN, 1>(*(float(*)[1][RN][8])acc,
+                                                   &slot[0][ssd_r<RN>(t)][0], b);
 }
 
 /* The four floats at x (16-byte aligned) times f, in place: a copied piece readied by

@@ -807,18 +807,18 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
  * M[i][j] = G * exp(seg[i][j]) for j < i (seg the serial sum of A*dt[j+1..i] from +0,
  * walked down each column's two halves by threads t and t + 64, the second half's
  * thread running the first half's adds too, the same chain); yi = M . v over u < i
- * ascending, then parked; ys = q_i . h_prev over m; y = ys * exp(cs_i) + yi, y = y +
- * (D + qk_gamma) * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i <
- * n. yg may be z itself (dip = di): each element of z is read only by the thread that
- * then writes it.
- * The rows of q with k (for G), then of q with h_prev (for ys), are copied by
- * cp.async, SSD_RK state columns a stage in a ring of two (ssd_mma_stage), v with the
- * first stage; each thread readies the pieces it copied itself (k scaled), so one
- * barrier a stage suffices. With Bn, a sealed chunk's new rows of q and k are formed
- * from the normed C and B rows Cn, Bn, the biases (H, SSD_NS) and the turns that
- * mb_m3_angles_k parked in K (m3_form4); other rows are Q's and K's as they lie.
+ * ascending; ys = q_i . h_prev over m; y = ys * exp(cs_i) + yi, y = y + (D + qk_gamma)
+ * * v, y * silu(z) into yg (packed tokens, di wide) for rows r0 <= i < n. yg may be z
+ * itself (dip = di): each element of z is read only by the thread that then writes it.
+ * G and ys walk m together: a stage copies M3YI_RK columns of the rows of q, k and
+ * h_prev by cp.async into a ring of two, v with the first; each thread readies the
+ * pieces it copied itself (k scaled), so one barrier a stage suffices. With Bn, a
+ * sealed chunk's new rows of q and k are formed from the normed C and B rows Cn, Bn,
+ * the biases (H, SSD_NS) and the turns that mb_m3_angles_k parked in K (m3_form4),
+ * once; other rows are Q's and K's as they lie.
  * Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py), which fits AMD's 64 KiB. */
-#define M3YI_STAGES (2 * SSD_NS / SSD_RK)
+#define M3YI_RK 8
+#define M3YI_RLD 12 /* 12 mod 32 over 8 rows: a quarter-warp's float4 reads on distinct banks */
 #define M3_Y_PARAMS                                                                       \
     const int64_t *desc, int64_t H, int64_t di, int64_t dip, const float *Q, const float *K, \
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
@@ -826,12 +826,14 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
 MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4)
 mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, const float *C_bias)
 {
-    constexpr int T = SSD_OUT, RN = SSD_ORN;
+    constexpr int T = SSD_OUT, RN = SSD_ORN, RING = 2 * 3 * 64 * M3YI_RLD;
     static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
+    static_assert(64 * (M3YI_RK / 4) == T && SSD_NS % M3YI_RK == 0,
+                  "a thread copies one piece of each factor a stage");
     extern __shared__ __align__(16) float sm[];
-    float(*ring)[2][64][SSD_RLD] = (float(*)[2][64][SSD_RLD])sm; /* [slot][q, k or h] */
-    static_assert(SSD_OUT_ST(false) <= 2 * 2 * 64 * SSD_RLD, "the output pass's z fits in the ring");
-    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + 2 * 2 * 64 * SSD_RLD); /* exp(seg), M^T, yi, y */
+    float(*ring)[3][64][M3YI_RLD] = (float(*)[3][64][M3YI_RLD])sm; /* [slot][q, k, h] */
+    static_assert(SSD_OUT_ST(false) <= RING, "the output pass's z fits in the ring");
+    float(*Mt)[SSD_LD] = (float(*)[SSD_LD])(sm + RING); /* exp(seg), M^T, yi, y */
     float(*Vs)[SSD_LD] = Mt + 64;
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
@@ -839,29 +841,20 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
     const int64_t f0 = Bn && d[5] ? r0 : n, tok0 = d[4] - r0; /* rows from f0 on are formed */
     const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
-    const int t = threadIdx.x, tj = t % 64, half = t / 64, cc = 4 * (t % 4);
-    constexpr int NU = 64 * 4 / T; /* a thread's rows of a stage */
-    float4 turn[NU] = {}; /* the turns of the thread's formed pieces of the stage in flight */
-    /* stage st: SSD_RK columns from st * SSD_RK % SSD_NS of q's rows and of k's (st <
-     * M3YI_STAGES / 2) or h_prev's; thread t copies rows t / 4 + 32 u at the stage's
-     * column cc (rows past n: +0) */
-    auto issue = [&](int st) {
-        const int m = st * SSD_RK % SSD_NS + cc;
-#pragma unroll
-        for (int u = 0; u < NU; u++) {
-            const int r = t / 4 + T / 4 * u;
-            const bool in = r < n, nw = in && r >= f0;
-            const float *kr = k + (in ? r : 0) * ld + m;
-            mb_cp_async16(&ring[st % 2][0][r][cc],
-                          nw ? Cn + (tok0 + r) * SSD_NS + m : q + (in ? r : 0) * ld + m,
-                          in ? 16 : 0);
-            if (st < M3YI_STAGES / 2)
-                mb_cp_async16(&ring[st % 2][1][r][cc], nw ? Bn + (tok0 + r) * SSD_NS + m : kr,
-                              in ? 16 : 0);
-            else
-                mb_cp_async16(&ring[st % 2][1][r][cc], hp + r * SSD_NS + m, 16);
-            if (nw && m < 2 * M3A) turn[u] = *(const float4 *)kr;
-        }
+    const int t = threadIdx.x, tj = t % 64, half = t / 64;
+    /* thread t's piece of a stage: row pr, columns pc.. of the stage's */
+    const int pr = t / (M3YI_RK / 4), pc = 4 * (t % (M3YI_RK / 4));
+    const bool pin = pr < n, pnew = pin && pr >= f0;
+    const float *qrow = pnew ? Cn + (tok0 + pr) * SSD_NS : q + (pin ? pr : 0) * ld;
+    const float *krow = pnew ? Bn + (tok0 + pr) * SSD_NS : k + (pin ? pr : 0) * ld;
+    const float *turns = k + (pin ? pr : 0) * ld; /* a new row's, at the piece's column */
+    float4 turn = {}; /* the turns of the thread's formed pieces of the stage in flight */
+    auto issue = [&](int st) { /* stage st: columns st * M3YI_RK.. (rows past n: +0) */
+        const int m = st * M3YI_RK + pc;
+        mb_cp_async16(&ring[st % 2][0][pr][pc], qrow + m, pin ? 16 : 0);
+        mb_cp_async16(&ring[st % 2][1][pr][pc], krow + m, pin ? 16 : 0);
+        mb_cp_async16(&ring[st % 2][2][pr][pc], hp + pr * SSD_NS + m, 16);
+        if (pnew && m < 2 * M3A) turn = *(const float4 *)(turns + m);
     };
     issue(0);
     for (int e = t; e < 64 * SSD_HP / 4; e += T) {
@@ -907,46 +900,40 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
             *(float4 *)&Mt[tj][i0] = w;
         }
     }
-    float acc[RN][8];
-    ssd_zero(acc);
-    for (int st = 0; st < M3YI_STAGES; st++) {
+    float acc[2][RN][8], (&g)[RN][8] = acc[0], (&ys)[RN][8] = acc[1]; /* G, then yi; ys */
+    ssd_zero(g);
+    ssd_zero(ys);
+    for (int st = 0; st < SSD_NS / M3YI_RK; st++) {
         mb_cp_wait<0>(); /* this thread's copies of stage st (and v) landed */
-        const int m = st * SSD_RK % SSD_NS + cc;
-#pragma unroll
-        for (int u = 0; u < NU; u++) {
-            const int r = t / 4 + T / 4 * u;
-            float4 *qx = (float4 *)&ring[st % 2][0][r][cc];
-            float4 *kx = (float4 *)&ring[st % 2][1][r][cc];
-            if (r >= n) continue;
-            if (r >= f0) {
-                *qx = m3_form4(*qx, *(const float4 *)(C_bias + h * SSD_NS + m), turn[u], m);
-                if (st < M3YI_STAGES / 2)
-                    *kx = m3_form4(*kx, *(const float4 *)(B_bias + h * SSD_NS + m), turn[u], m);
+        if (pin) {
+            const int m = st * M3YI_RK + pc;
+            float4 *qx = (float4 *)&ring[st % 2][0][pr][pc];
+            float4 *kx = (float4 *)&ring[st % 2][1][pr][pc];
+            if (pnew) {
+                *qx = m3_form4(*qx, *(const float4 *)(C_bias + h * SSD_NS + m), turn, m);
+                *kx = m3_form4(*kx, *(const float4 *)(B_bias + h * SSD_NS + m), turn, m);
             }
-            if (st < M3YI_STAGES / 2) ssd_scale4(&kx->x, sc[r]);
+            ssd_scale4(&kx->x, sc[pr]);
         }
         __syncthreads(); /* stage st is ready for all; the other slot is consumed */
-        if (st + 1 < M3YI_STAGES) issue(st + 1);
+        if (st + 1 < SSD_NS / M3YI_RK) issue(st + 1);
         mb_cp_commit();
-        if (st == M3YI_STAGES / 2) { /* the tri product has read M: park yi there (seen
-                                       * by all from the next stage's barrier on) */
-            ssd_park<RN>(Mt, acc);
-            ssd_zero(acc);
-        }
-        ssd_mma_stage<RN>(acc, ring[st % 2]);
-        if (st == M3YI_STAGES / 2 - 1) { /* G is complete: M, then yi = M . v */
-#pragma unroll
-            for (int r = 0; r < RN; r++)
-#pragma unroll
-                for (int qq = 0; qq < 8; qq++) {
-                    const int i = ssd_r<RN>(t) + r, j = ssd_cr(t, qq);
-                    if (j < i && i < n) Mt[j][i] = acc[r][qq] * Mt[j][i];
-                    acc[r][qq] = 0.0f;
-                }
-            __syncthreads();
-            ssd_mma64_tri<RN>(acc, Mt, Vs, 0, (int)n, 0);
-        }
+        const float *const kh[2] = {&ring[st % 2][1][t % 8][0], &ring[st % 2][2][t % 8][0]};
+        ssd_mma_rows<M3YI_RK, M3YI_RLD, M3YI_RLD, RN, 2, 4>(acc, &ring[st % 2][0][ssd_r<RN>(t)][0], kh);
     }
+    /* M, then yi = M . v, parked in M's place */
+#pragma unroll
+    for (int r = 0; r < RN; r++)
+#pragma unroll
+        for (int qq = 0; qq < 8; qq++) {
+            const int i = ssd_r<RN>(t) + r, j = ssd_cr(t, qq);
+            if (j < i && i < n) Mt[j][i] = g[r][qq] * Mt[j][i];
+            g[r][qq] = 0.0f;
+        }
+    __syncthreads();
+    ssd_mma64_tri<RN>(g, Mt, Vs, 0, (int)n, 0);
+    __syncthreads(); /* M is consumed */
+    ssd_park<RN>(Mt, g);
     /* each row's exp(cs_i) and D + qk_gamma (in adt and sc, which are consumed) */
     if (t < n) {
         adt[t] = mb_exp(cs[t]);
@@ -962,7 +949,7 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
 #pragma unroll
         for (int qq = 0; qq < 8; qq++) {
             const int p = ssd_cr(t, qq);
-            float y = acc[r][qq] * adt[i] + Mt[i][p];
+            float y = ys[r][qq] * adt[i] + Mt[i][p];
             Mt[i][p] = y + sc[i] * Vs[i][p];
         }
     }
