@@ -424,7 +424,7 @@ class M3Session(_SsdSession):
         bk, bv, bdt, bsg, bad = self.bufs
         L = be._launch
         L(s.cu, "mb_m3_fold_k", (B, H), IFOLD_THREADS,
-          self.rep, H, bk, bv, bdt, bsg, bad, st.h, out[0], 0, 0, 0, 0)
+          self.rep, H, bk, bv, bdt, bsg, bad, st.h, out[0], 0, 0, 0, 0, 0)
         L(s.cu, "mb_m3_last_k", (be._grid(B * H * (NS + HP)),), THREADS,
           B, H, self.last_row, bk, bv, out[1], out[2], 0)
         be._ck(be.cu.cuMemcpyDtoDAsync(out[3].ptr, st.theta.ptr, 4 * out[3].size, s.cu),

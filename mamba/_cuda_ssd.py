@@ -98,10 +98,11 @@ class _Early:
             self.sc.__exit__()
 
 
-def _rot(rot, n):
-    """The chunk kernels' last n arguments that form new rows' q and k, (Bn, Cn,
-    B_bias, C_bias) and fast mode's TH (all 0: q and k from Q and K)."""
-    return rot or (0,) * n
+def _rot(rot):
+    """The output kernels' last arguments that form new rows' q and k: Bn, Cn,
+    B_bias, C_bias and TH, the angles (fast mode) or turns (identical) of the new
+    tokens (all 0: q and k from Q and K's ext rows)."""
+    return rot or (0,) * 5
 
 
 def _bits(f):
@@ -449,11 +450,11 @@ class SsdMixin:
             Bn, Cn = self._m3_bc_norms(s, sc, B, L, I, R, 0, NR, Bn_w, Cn_w, fast)
             # ext rows: the working chunk's from the state, then the new tokens'
             direct = buffered_tokens == 0
-            # (fast mode's Q and K hold each row's last chunk alone, as the state does:
-            # the chunks before take the state's rows and form the new ones)
+            # (Q and K hold each row's last chunk alone, as the state does: the chunks
+            # take the state's rows and form the new ones)
             ext_at = (I["eoff"], I["store"])  # the tables that load and store a buffer
-            qk_rows, qk_at = (B * M3_Q, (I["coff"], I["store_c"])) if tc else (E, ext_at)
-            Q, K, V = sc(qk_rows * H * NS), sc(qk_rows * H * NS), xv if direct else sc(E * di)
+            qk_at = (I["coff"], I["store_c"])
+            Q, K, V = sc(B * M3_Q * H * NS), sc(B * M3_Q * H * NS), xv if direct else sc(E * di)
             DT, SIG, ADT, QKG, TA = sc(E * H), sc(E * H), sc(E * H), sc(E * H), sc(M * NA)
             bufs = ((bq, Q, H * NS, qk_at), (bk, K, H * NS, qk_at), (bv, V, di, ext_at),
                     (bdt, DT, H, ext_at), (bsig, SIG, H, ext_at), (badt, ADT, H, ext_at))
@@ -467,18 +468,19 @@ class SsdMixin:
                              B, I["off"], I["eoff"], I["t0"], di, xv, di, V)
                 _release(sc, xv)
             # new tokens' q and k are formed where used (ssd3.cu) from their angles
-            # (fast mode: TH) or turns (parked in K); the last chunks' are formed here
-            rot = (Bn, Cn, B_bias, C_bias)
+            # (fast mode) or turns (identical), TH; the last chunks' are formed here
             if tc:
                 TH = sc(M * H * NA)
-                rot += (TH,)
                 self._launch(s, "mb_fast_m3_angles_k", (B * H * (NA // M3R_ANG),),
                              M3R_ANG * M3R_RUNS, B, H, I["off"], I["eoff"], I["t0"], TA, DT,
                              theta, TH, Bn, Cn, B_bias, C_bias, Q, K, rep[3])
             else:
-                self._m3_angles(s, B, H, I, TA, DT, theta, K, 1, rep[3])
+                TH = sc(E * H * 2 * NA)  # ssd3.cu M3_TURNS a (ext row, head)
+                self._m3_angles(s, B, H, I, TA, DT, theta, TH, 1, rep[3])
                 self._launch(s, "mb_m3_rotate_k", self._rows_grid(M3_Q * H * NA, B), C.THREADS,
-                             B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, Q, K)
+                             B, H, I["off"], I["eoff"], I["t0"], Bn, Cn, B_bias, C_bias, TH,
+                             Q, K)
+            rot = (Bn, Cn, B_bias, C_bias, TH)
             _release(sc, R, TA)
             if pending:
                 self._launch(s, "mb_m3_pending_k", (self._grid(B * H * per),), C.THREADS,
@@ -490,31 +492,30 @@ class SsdMixin:
             # sealed ones' contractions, the state pass (fast mode: both in one
             # kernel walking each row's chunks), the outputs
             S, Ec = sc(max(g[3] for g in plan.groups) * H * per), 0 if tc else sc(NC * H)
-            qs, ks = (bq, bk) if tc else (Q, K)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
                 if tc:
                     split = self.m3_state_parts(nb * H)
                     self._launch(s, M3S[split], (nb * H * split,), M3S_THREADS, H, cb, dsc,
-                                 ks, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
+                                 bk, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
                                  smem=M3S_SMEM[split])
                 else:
                     E0 = Ec + 4 * H * c0
-                    self.m3_fold(s, tc, nc, H, dsc, ks, V, DT, SIG, ADT, S, E0, rot)
+                    self.m3_fold(s, tc, nc, H, dsc, bk, V, DT, SIG, ADT, S, E0, rot,
+                                 I["coff"])
                     self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
                                  nb, H, cb, dsc, E0, S, hb, S)
-                self.m3_y(s, tc, nc, H, dsc, di, di, qs, ks, V, DT, SIG, ADT, QKG, S, D, z, z,
+                self.m3_y(s, tc, nc, H, dsc, di, di, bq, bk, V, DT, SIG, ADT, QKG, S, D, z, z,
                           rot)
             # reports of each row's last token, then the working chunk into the state
-            krow = I["coff"] if tc else 0
             self._launch(s, "mb_m3_fold_k", (B, H), IFOLD_THREADS,
-                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, krow, 0, 0)
+                         I["rep"], H, K, V, DT, SIG, ADT, h, rep[0], 0, I["coff"], 0, 0, 0)
             self._launch(s, "mb_m3_last_k", (self._grid(B * H * (NS + HP)),), C.THREADS,
-                         B, H, I["last"], K, V, rep[1], rep[2], I["last_c"] if tc else 0)
+                         B, H, I["last"], K, V, rep[1], rep[2], I["last_c"])
             for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Bn, Cn, *((TH,) if tc else (Ec,)))
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Bn, Cn, TH, *(() if tc else (Ec,)))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -542,23 +543,24 @@ class SsdMixin:
         """The chunk contraction and output kernels of m3_fold and m3_y."""
         return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
 
-    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=()):
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=(), krow=0):
         """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
         tc: fast mode's tensor-core kernel; rot (identical) as m3_y's, its new rows'
-        k formed from Bn and B_bias by the turns in K."""
-        form = (rot[0], rot[2]) if rot else (0, 0)
+        k formed from Bn and B_bias by the turns TH, the others K's row krow[b] on
+        (0: K's ext rows)."""
+        form = (rot[0], rot[2], rot[4]) if rot else (0, 0, 0)
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS if tc else IFOLD_THREADS,
-                     desc, H, K, V, DT, SIG, ADT, 0, S, E,
-                     *(() if tc else (0, *form)))  # the identical kernel's krow: ext rows
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *(() if tc else (krow, *form)))
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):
         """The gated outputs yg of nc chunks from desc (z from zx, rows dip apart); tc:
-        fast mode's tensor-core kernel; rot (Bn, Cn, B_bias, C_bias, and fast mode's TH)
-        when new tokens' q and k are formed there (ssd3.cu)."""
+        fast mode's tensor-core kernel; rot (Bn, Cn, B_bias, C_bias, TH) when new
+        tokens' q and k are formed there, the other rows Q's and K's as the state's
+        buffers (ssd3.cu)."""
         self._launch(s, self.kname("m3_y_k", tc), (H, nc), M3Y_THREADS if tc else OUT_THREADS,
                      desc, H, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
-                     *_rot(rot, 5 if tc else 4), smem=M3Y_SMEM if tc else M3YI_SMEM)
+                     *_rot(rot), smem=M3Y_SMEM if tc else M3YI_SMEM)
 
     # ---------------------------------------------------------------- sessions
     def _m2_session(self, block, w, state, fast=False):

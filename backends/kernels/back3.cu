@@ -75,7 +75,8 @@ MB_KERNEL void mb_m3b_rotate_k(int64_t M, int64_t H, const float *Bn, const floa
         __syncthreads();
         if (i < n) {
             ANG[i] = th;
-            m3_rotate_token(m3_turn_of(th), e % H, e / H, e, r, Bn, Cn, B_bias, C_bias, Q, K);
+            m3_rotate_token(m3_turn_of(th), e % H, e / H, r, Bn, Cn, B_bias, C_bias,
+                            Q + e * SSD_NS, K + e * SSD_NS);
         }
     }
 }

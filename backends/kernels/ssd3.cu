@@ -1,13 +1,14 @@
 /* The Mamba-3 SISO mixer (SPEC 7), the GPU twin of put_rows, chunk_out and fold in
- * reference/block3.c, on the ext layout of ssd.cu. Ext arrays, H heads per row:
- * Q, K (rotated, K unscaled; H x 128), V (H x 64), DT, SIG, ADT (H) and QKG (H,
- * qk_gamma, new rows only).
+ * reference/block3.c, on the ext layout of ssd.cu. Ext arrays, H heads per row: V (H x
+ * 64), DT, SIG, ADT (H), QKG (H, qk_gamma, new rows only), and in the backward Q, K
+ * (rotated, K unscaled; H x 128). A prefill keeps q and k (B, M3Q, H, 128) of each
+ * row's last chunk alone, as the state does, and forms the other new rows' where used.
  *   mb_m3_prep_k    per new token and head: heavy-tail A with its floor, dt, A * dt,
  *                   sigmoid(trap), qk_gamma = dot(q, k) * (dt * sig); per token and
  *                   angle: tanh(angle) * PI.
  *   mb_m3_angles_k  per (row, head, angle): the angle recurrence, serial over the
  *                   row's tokens and reduced every token.
- *   mb_m3_rotate_k  per (token, head, angle): the rotation of q and k.
+ *   mb_m3_rotate_k  per (token of a last chunk, head, angle): the rotation of q and k.
  *   mb_m3_pending_k Input_States: h0 = h + (v * k) * (dt_1 * (1 - sig_1)).
  *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
  *                   with hin, the fold itself (the h_last report).
@@ -21,6 +22,7 @@
 
 #define M3Q 64
 #define M3A 32 /* rotary angles */
+#define M3_TURNS (2 * M3A) /* a token's turns (cos, sin of each angle), floats */
 
 /* upstream main's heavy-tail A before its floor: -(x >= 0 ? 1 + x : 1 / (1 - x)) */
 MB_DEV float m3_heavy_tail(float x)
@@ -124,12 +126,12 @@ MB_DEV float4 m3_form4(float4 x, float4 b, float4 z, int c)
 /* the turn (cos, sin) of angle th */
 MB_DEV float2 m3_turn_of(float th) { return make_float2(mb_cos(th), mb_sin(th)); }
 
-/* Token tok (ext row index e = ext row * H + h) turned by z (m3_turn_of its angle r):
+/* Token tok of head h turned by z (m3_turn_of its angle r) into its rows qo and ko:
  * pair (2r, 2r + 1) of the biased q and k rotated, dims 64 + 2r, 64 + 2r + 1 copied
  * unrotated. */
-MB_DEV void m3_rotate_token(float2 z, int64_t h, int64_t tok, int64_t e, int64_t r,
-                            const float *Bn, const float *Cn, const float *B_bias,
-                            const float *C_bias, float *Q, float *K)
+MB_DEV void m3_rotate_token(float2 z, int64_t h, int64_t tok, int64_t r, const float *Bn,
+                            const float *Cn, const float *B_bias, const float *C_bias, float *qo,
+                            float *ko)
 {
     /* every input read before any output is written (the compiler must assume they
      * may alias, and would hold a later load back behind an earlier store) */
@@ -139,7 +141,6 @@ MB_DEV void m3_rotate_token(float2 z, int64_t h, int64_t tok, int64_t e, int64_t
     const float2 cr = pair(c), cbr = pair(cb), kr = pair(k), kbr = pair(kb);
     const float2 cu = pair(c + 2 * M3A), cbu = pair(cb + 2 * M3A);
     const float2 ku = pair(k + 2 * M3A), kbu = pair(kb + 2 * M3A);
-    float *qo = Q + e * SSD_NS, *ko = K + e * SSD_NS;
     *(float2 *)(qo + 2 * r) = m3_rot2(cr, cbr, z);
     *(float2 *)(ko + 2 * r) = m3_rot2(kr, kbr, z);
     *(float2 *)(qo + 2 * M3A + 2 * r) = make_float2(cu.x + cbu.x, cu.y + cbu.y);
@@ -154,7 +155,8 @@ MB_DEV void m3_rotate_token(float2 z, int64_t h, int64_t tok, int64_t e, int64_t
 /* Block (row b, head h) of B H, M3_ANG_THREADS threads: the angle recurrence alone (the
  * only serial part of the rotation), each token's angle r parked in slot r of its row
  * of park (H x SSD_NS floats an ext row), or with turns its turn (m3_turn_of) in slots
- * 2r, 2r + 1 (a row's 32 in one coalesced store). theta (B, H, M3A) ends after the
+ * 2r, 2r + 1 of a park of turns (H x M3_TURNS floats an ext row; a row's 32 in one
+ * coalesced store). theta (B, H, M3A) ends after the
  * row's last token; theta_last (optional) receives the same.
  * Thread r < M3A walks angle r's chain and nothing else, so a step is the chain's
  * arithmetic with one shared load and store: the helpers, groups of M3A threads from
@@ -202,7 +204,8 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
     };
     auto flush = [&](int64_t n) {
         const int cnt = tokens(n);
-        float *q = park + ((e0 + n * M3_ANG_NB) * H + h) * SSD_NS + (turns ? 2 * r : r);
+        const int64_t pw = turns ? M3_TURNS : SSD_NS; /* the park's floats a head */
+        float *q = park + ((e0 + n * M3_ANG_NB) * H + h) * pw + (turns ? 2 * r : r);
         float v[M3_ANG_PER];
 #pragma unroll
         for (int j = 0; j < M3_ANG_PER; j++) {
@@ -214,9 +217,9 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
             const int u = hw + j * M3_ANG_HW;
             if (u >= cnt) continue;
             if (turns)
-                *(float2 *)(q + u * H * SSD_NS) = m3_turn_of(v[j]);
+                *(float2 *)(q + u * H * pw) = m3_turn_of(v[j]);
             else
-                q[u * H * SSD_NS] = v[j];
+                q[u * H * pw] = v[j];
         }
     };
     const int64_t i = (int64_t)blockIdx.x * M3A + tid;
@@ -284,12 +287,13 @@ mb_m3_angles_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff, co
 MB_DEV int64_t m3_last_chunk(int64_t t0, int64_t T) { return (t0 + T - 1) / M3Q * M3Q - t0; }
 
 /* One thread per (new token of a row's last chunk, head, angle r): m3_rotate_token by
- * the turn that mb_m3_angles_k parked in slots 2r, 2r + 1 of k's row, which pair r then
- * overwrites (the earlier chunks' q and k are formed where used: m3_form4). Grid (x
- * over M3Q * H * M3A, y over rows). */
+ * the turn that mb_m3_angles_k parked in TK, into Q and K (B, M3Q, H, SSD_NS), which
+ * hold each row's last chunk alone, as the state does (the chunks' q and k are formed
+ * where used: m3_form4). Grid (x over M3Q * H * M3A, y over rows). */
 MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const int64_t *eoff,
                               const int64_t *t0, const float *Bn, const float *Cn,
-                              const float *B_bias, const float *C_bias, float *Q, float *K)
+                              const float *B_bias, const float *C_bias, const float *TK,
+                              float *Q, float *K)
 {
     MB_GRID_WAIT();
     for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
@@ -297,9 +301,10 @@ MB_KERNEL void mb_m3_rotate_k(int64_t B, int64_t H, const int64_t *off, const in
         const int64_t tr = m3_last_chunk(t0[b], T), t1 = tr < 0 ? 0 : tr;
         MB_GRID_LOOP(j, (T - t1) * H * M3A) {
             const int64_t t = t1 + j / (H * M3A), h = (j / M3A) % H, r = j % M3A;
-            const int64_t e = (e0 + t) * H + h;
-            const float2 z = *(const float2 *)(K + e * SSD_NS + 2 * r);
-            m3_rotate_token(z, h, o + t, e, r, Bn, Cn, B_bias, C_bias, Q, K);
+            const float2 z = *(const float2 *)(TK + ((e0 + t) * H + h) * M3_TURNS + 2 * r);
+            const int64_t row = (b * M3Q + t - tr) * H + h;
+            m3_rotate_token(z, h, o + t, r, Bn, Cn, B_bias, C_bias, Q + row * SSD_NS,
+                            K + row * SSD_NS);
         }
     }
 }
@@ -483,14 +488,16 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KC kcopy, KF kform, VR vrow, Ou
  * (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
  * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
  * out[c, h] = fma(exp(cs_last), hin[c, h], S). krow (optional): K's row of the
- * chunk's row 0 for row b = krow[b] (fast mode's K of the last chunks alone), else
- * the ext row. Bn (optional, without hin): the new rows' k formed from the normed B
- * rows Bn and B_bias (H, SSD_NS) by the turns mb_m3_angles_k parked in K (m3_form4). */
+ * chunk's row 0 for row b = krow[b] (K holding a chunk a row: the state's buffers or
+ * the last chunks), else the ext row. Bn (optional, without hin): the new rows' k
+ * formed from the normed B rows Bn and B_bias (H, SSD_NS) by the turns that
+ * mb_m3_angles_k parked in TK (m3_form4). */
 #define M3_FOLD_PARAMS                                                                   \
     const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
         const float *SIG, const float *ADT, const float *hin, float *out, float *E
 MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4)
-mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *B_bias)
+mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *B_bias,
+             const float *TK)
 {
     MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
@@ -507,13 +514,13 @@ mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
         [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
         [&](int64_t j, int s, int m, bool in) {
-            const float *k = K + ((k0 + j) * H + h) * SSD_NS + m;
             if (j < r0) {
-                mb_cp_async16(&sA[s][m], k, in ? 16 : 0);
+                mb_cp_async16(&sA[s][m], K + ((k0 + j) * H + h) * SSD_NS + m, in ? 16 : 0);
                 return;
             }
             mb_cp_async16(&sA[s][m], Bn + (tok0 + j) * SSD_NS + m, in ? 16 : 0);
-            if (m < 2 * M3A) mb_cp_async16(&sT[s][m / 4].x, k, in ? 16 : 0);
+            if (m < M3_TURNS)
+                mb_cp_async16(&sT[s][m / 4].x, TK + ((e0 + j) * H + h) * M3_TURNS + m, in ? 16 : 0);
         },
         [&](int64_t j, int s, int m) {
             if (j < r0) return;
@@ -812,10 +819,11 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
  * itself (dip = di): each element of z is read only by the thread that then writes it.
  * G and ys walk m together: a stage copies M3YI_RK columns of the rows of q, k and
  * h_prev by cp.async into a ring of two, v with the first; each thread readies the
- * pieces it copied itself (k scaled), so one barrier a stage suffices. With Bn, a
- * sealed chunk's new rows of q and k are formed from the normed C and B rows Cn, Bn,
- * the biases (H, SSD_NS) and the turns that mb_m3_angles_k parked in K (m3_form4),
- * once; other rows are Q's and K's as they lie.
+ * pieces it copied itself (k scaled), so one barrier a stage suffices. With Bn, the
+ * new rows of q and k are formed from the normed C and B rows Cn, Bn, the biases (H,
+ * SSD_NS) and the turns that mb_m3_angles_k parked in TK (m3_form4), and the rows
+ * before r0 are those of Q and K, the state's buffers (B, M3Q, H, SSD_NS); without
+ * it, every row is Q's and K's in the ext layout.
  * Dynamic shared memory: M3YI_SMEM bytes (_cuda_ssd.py), which fits AMD's 64 KiB. */
 #define M3YI_RK 8
 #define M3YI_RLD 12 /* 12 mod 32 over 8 rows: a quarter-warp's float4 reads on distinct banks */
@@ -824,7 +832,8 @@ MB_KERNEL void MB_BOUNDS_MIN(M3S_THREADS, 2) mb_fast_m3_state2_k(M3S_PARAMS)
         const float *V, const float *DT, const float *SIG, const float *ADT, const float *QKG, \
         const float *hck, const float *D, const float *zx, float *yg
 MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4)
-mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, const float *C_bias)
+mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, const float *C_bias,
+          const float *TK)
 {
     constexpr int T = SSD_OUT, RN = SSD_ORN, RING = 2 * 3 * 64 * M3YI_RLD;
     static_assert(RN * T == 8 * 64, "the threads' rows cover the tile");
@@ -838,8 +847,9 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
     float *adt = &Vs[64][0], *sc = adt + M3Q, *cs = sc + M3Q;
     const int64_t h = blockIdx.x, c = blockIdx.y, *d = desc + c * MB_DESC;
     const int64_t e0 = d[1], n = d[2], r0 = d[3], ch = c * H + h, ld = H * SSD_NS;
-    const int64_t f0 = Bn && d[5] ? r0 : n, tok0 = d[4] - r0; /* rows from f0 on are formed */
-    const float *q = Q + (e0 * H + h) * SSD_NS, *k = K + (e0 * H + h) * SSD_NS;
+    const int64_t f0 = Bn ? r0 : n, tok0 = d[4] - r0; /* rows from f0 on are formed */
+    const int64_t qk0 = Bn ? d[0] * M3Q : e0; /* Q's and K's row of the chunk's row 0 */
+    const float *q = Q + (qk0 * H + h) * SSD_NS, *k = K + (qk0 * H + h) * SSD_NS;
     const float *v = V + (e0 * H + h) * SSD_HP, *hp = hck + ch * SSD_HP * SSD_NS;
     const int t = threadIdx.x, tj = t % 64, half = t / 64;
     /* thread t's piece of a stage: row pr, columns pc.. of the stage's */
@@ -847,14 +857,14 @@ mb_m3_y_k(M3_Y_PARAMS, const float *Bn, const float *Cn, const float *B_bias, co
     const bool pin = pr < n, pnew = pin && pr >= f0;
     const float *qrow = pnew ? Cn + (tok0 + pr) * SSD_NS : q + (pin ? pr : 0) * ld;
     const float *krow = pnew ? Bn + (tok0 + pr) * SSD_NS : k + (pin ? pr : 0) * ld;
-    const float *turns = k + (pin ? pr : 0) * ld; /* a new row's, at the piece's column */
+    const float *turns = TK + ((e0 + pr) * H + h) * M3_TURNS; /* a new row's */
     float4 turn = {}; /* the turns of the thread's formed pieces of the stage in flight */
     auto issue = [&](int st) { /* stage st: columns st * M3YI_RK.. (rows past n: +0) */
         const int m = st * M3YI_RK + pc;
         mb_cp_async16(&ring[st % 2][0][pr][pc], qrow + m, pin ? 16 : 0);
         mb_cp_async16(&ring[st % 2][1][pr][pc], krow + m, pin ? 16 : 0);
         mb_cp_async16(&ring[st % 2][2][pr][pc], hp + pr * SSD_NS + m, 16);
-        if (pnew && m < 2 * M3A) turn = *(const float4 *)(turns + m);
+        if (pnew && m < M3_TURNS) turn = *(const float4 *)(turns + m);
     };
     issue(0);
     for (int e = t; e < 64 * SSD_HP / 4; e += T) {

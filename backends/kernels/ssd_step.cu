@@ -369,7 +369,7 @@ mb_m3_step_k(int64_t H, int64_t di, int64_t dip, const float *zx, const float *B
         const int64_t at = bh * M3A + tid;
         const float th = m3_angle(theta[at], ta[tid], nt[0]);
         theta[at] = th;
-        m3_rotate_token(m3_turn_of(th), hh, 0, 0, tid, bc[0], bc[1], B_bias, C_bias, qs, ks);
+        m3_rotate_token(m3_turn_of(th), hh, 0, tid, bc[0], bc[1], B_bias, C_bias, qs, ks);
     }
     __syncthreads(); /* q and k are written */
     float *hs = h + bh * per, *sg = seg + bh * (M3Q + 1);
