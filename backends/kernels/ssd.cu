@@ -520,12 +520,22 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AC acopy, AF afix, BR brow, BS bscal
     constexpr int NA = FS * PA / T, NB = FS * PB / T;
     static_assert(NA * T == FS * PA && NB * T == FS * PB, "whole pieces a thread");
     const int t = threadIdx.x;
+    /* A's piece u of this thread, row r and column c: each warp's pieces lie in one
+     * half of the columns, so that a fix that differs between the halves does not
+     * diverge */
+    static_assert((FS * PA / 2) % T == 0, "whole warps a half");
+    auto apiece = [&](int u, int &r, int &c) {
+        const int e = t + T * u, w = e / (FS * PA / 2), q = e % (FS * PA / 2);
+        r = q / (PA / 2);
+        c = 4 * (q % (PA / 2) + PA / 2 * w);
+    };
     auto copy = [&](int64_t j0, int st) { /* rows past n: +0 */
         const int nj = n - j0 < FS ? (int)(n - j0) : FS;
 #pragma unroll
         for (int u = 0; u < NA; u++) {
-            const int e = t + T * u, r = e / PA;
-            acopy(r < nj ? j0 + r : j0, st * FS + r, 4 * (e % PA), r < nj);
+            int r, c;
+            apiece(u, r, c);
+            acopy(r < nj ? j0 + r : j0, st * FS + r, c, r < nj);
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {
@@ -555,8 +565,9 @@ MB_DEV void ssd_fold(int64_t n, Tab tables, AC acopy, AF afix, BR brow, BS bscal
         }
 #pragma unroll
         for (int u = 0; u < NA; u++) {
-            const int e = t + T * u, r = e / PA;
-            if (r < nj) afix(j0 + r, st * FS + r, 4 * (e % PA));
+            int r, c;
+            apiece(u, r, c);
+            if (r < nj) afix(j0 + r, st * FS + r, c);
         }
 #pragma unroll
         for (int u = 0; u < NB; u++) {
