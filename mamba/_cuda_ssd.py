@@ -48,8 +48,7 @@ G_TILES = 10       # ssd2.cu G_TILES: the blocks of mb_m2_g_k per chunk
 PREP_HEADS = 8     # ssd2.cu M2_PREP_HEADS: heads a block of mb_m2_prep_k (M2_Q threads)
 MAX_GRID_Z = 65535
 # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups (twice that
-# in fast mode, whose state kernel then takes W2's rows in one launch; identical mode
-# keeps the memory, its Q and K being whole)
+# in fast mode, whose state kernel then takes W2's rows in one launch)
 S_GROUP = 1 << 26
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
