@@ -18,7 +18,6 @@ VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
 """
 import array
-import bisect
 import ctypes
 import functools
 import os
@@ -145,7 +144,7 @@ class _Plan:
             raise ValueError(f"mamba: a call of {self.NC} chunks exceeds the CUDA backend's "
                              f"{MAX_GRID_Z}; split the batch or the sequence")
         self.counts = counts
-        self.groups, gcbeg, kord, b0 = [], [], [], 0
+        self.groups, gcbeg, b0 = [], [], 0
         while b0 < B:
             b1 = b0 + 1
             while b1 < B and (group is None or cbeg[b1 + 1] - cbeg[b0] <= group
@@ -153,16 +152,12 @@ class _Plan:
                 b1 += 1
             self.groups.append((b0, b1 - b0, cbeg[b0], cbeg[b1] - cbeg[b0], len(gcbeg)))
             gcbeg += [c - cbeg[b0] for c in cbeg[b0:b1 + 1]]
-            # the group's chunks, the rows' first ones, then their second ones, ...
-            kord += sorted(range(cbeg[b1] - cbeg[b0]),
-                           key=lambda c, g=gcbeg[-(b1 - b0 + 1):]:
-                           (c - g[bisect.bisect_right(g, c) - 1], c))
             b0 = b1
         self._tables, self._at = array.array("q"), []
         for name, part in (("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff),
                            ("cbeg", cbeg), ("store", store), ("last", last), ("rep", rep),
                            ("desc", desc), ("gcbeg", gcbeg), ("coff", range(0, B * Q, Q)),
-                           ("store_c", store_c), ("last_c", last_c), ("kord", kord)):
+                           ("store_c", store_c), ("last_c", last_c)):
             self._at.append((name, len(self._tables)))
             self._tables.extend(part)
 
@@ -295,9 +290,8 @@ class SsdMixin:
                     fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd2.cu)
         y_k, fold_k = self.kname("m2_y_k", tc), self.kname("m2_fold_k", tc)
-        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_m2_prep_k",
-                     "mb_m2_g_k", y_k, *((fold_k, "mb_ssd_chain_k") if tc else
-                                         ("mb_m2_fold_chain_k",)))
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+                     "mb_m2_prep_k", "mb_m2_g_k", fold_k, y_k)
         self._enter()
         st = self.stream()
         s = st.cu
@@ -341,17 +335,12 @@ class SsdMixin:
             self._m2_prep(s, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
             self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
-            S, Ec = sc(NC * H * per), sc(NC * H + 1)
+            S, Ec = sc(NC * H * per), sc(NC * H)
             hck = S  # the state pass overwrites each contraction with the state it enters
-            if tc:
-                self._launch(s, fold_k, (NC, H), FOLD_THREADS, I["desc"], H, di, CD, U, dt, cs,
-                             0, S, Ec)
-                self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
-                             B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
-            else:  # Ec: the fold-and-chain kernel's tickets and flags
-                self._fill32(s, Ec, 0, NC * H + 1)
-                self._launch(s, "mb_m2_fold_chain_k", (NC * H,), IFOLD_THREADS, I["desc"], H,
-                             di, CD, U, dt, cs, NC, 0, I["cbeg"], I["kord"], Ec, h, hck)
+            self._launch(s, fold_k, (NC, H), FOLD_THREADS if tc else IFOLD_THREADS,
+                         I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
+            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
+                         B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
                          M2Y_THREADS if tc else OUT_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
@@ -428,10 +417,10 @@ class SsdMixin:
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd3.cu)
-        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k",
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
                      "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc),
-                     *(("mb_fast_m3_angles_k", *M3S.values()) if tc else ("mb_m3_fold_chain_k",)))
+                     *(("mb_fast_m3_angles_k", *M3S.values()) if tc else ()))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -501,8 +490,7 @@ class SsdMixin:
             # pass overwrites with the state entering each chunk, as for Mamba-2):
             # sealed ones' contractions, the state pass (fast mode: both in one
             # kernel walking each row's chunks), the outputs
-            ncg = max(g[3] for g in plan.groups)
-            S, sync = sc(ncg * H * per), 0 if tc else sc(ncg * H + 1)
+            S, Ec = sc(max(g[3] for g in plan.groups) * H * per), 0 if tc else sc(NC * H)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
                 if tc:
@@ -511,10 +499,11 @@ class SsdMixin:
                                  bk, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
                                  smem=M3S_SMEM[split])
                 else:
-                    self._fill32(s, sync, 0, nc * H + 1)
-                    self._launch(s, "mb_m3_fold_chain_k", (nc * H,), IFOLD_THREADS, dsc, H, bk,
-                                 V, DT, SIG, ADT, I["coff"], Bn, B_bias, TH, nc, b0, cb,
-                                 I["kord"] + 8 * c0, sync, hb, S)
+                    E0 = Ec + 4 * H * c0
+                    self.m3_fold(s, tc, nc, H, dsc, bk, V, DT, SIG, ADT, S, E0, rot,
+                                 I["coff"])
+                    self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
+                                 nb, H, cb, dsc, E0, S, hb, S)
                 self.m3_y(s, tc, nc, H, dsc, di, di, bq, bk, V, DT, SIG, ADT, QKG, S, D, z, z,
                           rot)
             # reports of each row's last token, then the working chunk into the state
@@ -525,7 +514,7 @@ class SsdMixin:
             for buf, ext, W, (_, at) in bufs:
                 self._launch(s, "mb_ssd_store_k", self._rows_grid(M3_Q * W, B), C.THREADS,
                              B, at, M3_Q, W, ext, buf)
-            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Bn, Cn, TH, *(() if tc else (sync,)))
+            _release(sc, Q, K, V, DT, SIG, ADT, QKG, S, Bn, Cn, TH, *(() if tc else (Ec,)))
             self._back(s, B, L, dm, di, M, I["off"], z, out_proj, xd, sc(M * dm), yd, parts,
                        fast)
             self._finish(st, back)
@@ -553,11 +542,14 @@ class SsdMixin:
         """The chunk contraction and output kernels of m3_fold and m3_y."""
         return cls.kname("m3_fold_k", tc), cls.kname("m3_y_k", tc)
 
-    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E):
-        """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc
-        (q and k in Q and K's ext rows); tc: fast mode's tensor-core kernel."""
+    def m3_fold(self, s, tc, nc, H, desc, K, V, DT, SIG, ADT, S, E, rot=(), krow=0):
+        """The sealed chunks' contractions S and exp(cs_last) E, of nc chunks from desc;
+        tc: fast mode's tensor-core kernel; rot (identical) as m3_y's, its new rows'
+        k formed from Bn and B_bias by the turns TH, the others K's row krow[b] on
+        (0: K's ext rows)."""
+        form = (rot[0], rot[2], rot[4]) if rot else (0, 0, 0)
         self._launch(s, self.kname("m3_fold_k", tc), (nc, H), FOLD_THREADS if tc else IFOLD_THREADS,
-                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *(() if tc else (0, 0, 0, 0)))
+                     desc, H, K, V, DT, SIG, ADT, 0, S, E, *(() if tc else (krow, *form)))
 
     def m3_y(self, s, tc, nc, H, desc, di, dip, Q, K, V, DT, SIG, ADT, QKG, hck, D, zx, yg,
              rot=()):
