@@ -18,6 +18,7 @@ VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
 """
 import array
+import bisect
 import ctypes
 import functools
 import os
@@ -50,6 +51,12 @@ MAX_GRID_Z = 65535
 # floats of Mamba-3's chunk states (S, hck) live at once: rows in groups (twice that
 # in fast mode, whose state kernel then takes W2's rows in one launch)
 S_GROUP = 1 << 26
+# identical mode folds the chunks and passes the states in one kernel
+# (mb_m2_fold_chain_k, mb_m3_fold_chain_k) for launches of at least this many
+# (row, head) chains: each chain then waits a hop (an L2 round trip and fences) a
+# chunk, which only enough chains side by side hide behind the folds. The smallest
+# counts measured to gain (H100; Mamba-3 lost at 64)
+M2_CHAIN_MIN, M3_CHAIN_MIN = 64, 128
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
@@ -144,7 +151,7 @@ class _Plan:
             raise ValueError(f"mamba: a call of {self.NC} chunks exceeds the CUDA backend's "
                              f"{MAX_GRID_Z}; split the batch or the sequence")
         self.counts = counts
-        self.groups, gcbeg, b0 = [], [], 0
+        self.groups, gcbeg, kord, b0 = [], [], [], 0
         while b0 < B:
             b1 = b0 + 1
             while b1 < B and (group is None or cbeg[b1 + 1] - cbeg[b0] <= group
@@ -152,12 +159,16 @@ class _Plan:
                 b1 += 1
             self.groups.append((b0, b1 - b0, cbeg[b0], cbeg[b1] - cbeg[b0], len(gcbeg)))
             gcbeg += [c - cbeg[b0] for c in cbeg[b0:b1 + 1]]
+            # the group's chunks, the rows' first ones, then their second ones, ...
+            kord += sorted(range(cbeg[b1] - cbeg[b0]),
+                           key=lambda c, g=gcbeg[-(b1 - b0 + 1):]:
+                           (c - g[bisect.bisect_right(g, c) - 1], c))
             b0 = b1
         self._tables, self._at = array.array("q"), []
         for name, part in (("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff),
                            ("cbeg", cbeg), ("store", store), ("last", last), ("rep", rep),
                            ("desc", desc), ("gcbeg", gcbeg), ("coff", range(0, B * Q, Q)),
-                           ("store_c", store_c), ("last_c", last_c)):
+                           ("store_c", store_c), ("last_c", last_c), ("kord", kord)):
             self._at.append((name, len(self._tables)))
             self._tables.extend(part)
 
@@ -289,14 +300,16 @@ class SsdMixin:
     def _m2_forward(self, w, d_model, dt_limit, x, pieces, buffered_tokens, y, lengths,
                     fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd2.cu)
+        dm, B, L = d_model, x.shape[0], x.shape[1]
+        di, H, NP = m2_dims(dm)
+        fused = not tc and B * H >= M2_CHAIN_MIN
         y_k, fold_k = self.kname("m2_y_k", tc), self.kname("m2_fold_k", tc)
-        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
-                     "mb_m2_prep_k", "mb_m2_g_k", fold_k, y_k)
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_m2_prep_k",
+                     "mb_m2_g_k", y_k, *(("mb_m2_fold_chain_k",) if fused else
+                                         (fold_k, "mb_ssd_chain_k")))
         self._enter()
         st = self.stream()
         s = st.cu
-        dm, B, L = d_model, x.shape[0], x.shape[1]
-        di, H, NP = m2_dims(dm)
         CD = di + 2 * NS
         norm_w, in_proj, conv_w, conv_b, dt_bias, A_log, D, gnorm_w, out_proj = w
         plan = _plan(B, L, lengths, buffered_tokens, M2_Q, False)
@@ -335,12 +348,19 @@ class SsdMixin:
             self._m2_prep(s, NC, I["desc"], H, DTR, dt_bias, A_log, dt_limit, dt, dA, cs)
             G = sc(NC * M2_Q * M2_Q)
             self._launch(s, "mb_m2_g_k", (G_TILES, NC), TILE_THREADS, I["desc"], di, CD, U, G)
-            S, Ec = sc(NC * H * per), sc(NC * H)
-            hck = S  # the state pass overwrites each contraction with the state it enters
-            self._launch(s, fold_k, (NC, H), FOLD_THREADS if tc else IFOLD_THREADS,
-                         I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
-            self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
-                         B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
+            # Ec: exp(cs_last) a (chunk, head) for the state pass, or the fused
+            # kernel's ticket and flags
+            S, Ec = sc(NC * H * per), sc(NC * H + 1)
+            hck = S  # each contraction overwritten with the state entering its chunk
+            if fused:
+                self._fill32(s, Ec, 0, NC * H + 1)
+                self._launch(s, "mb_m2_fold_chain_k", (NC * H,), IFOLD_THREADS, I["desc"], H,
+                             di, CD, U, dt, cs, NC, 0, I["cbeg"], I["kord"], Ec, h, hck)
+            else:
+                self._launch(s, fold_k, (NC, H), FOLD_THREADS if tc else IFOLD_THREADS,
+                             I["desc"], H, di, CD, U, dt, cs, 0, S, Ec)
+                self._launch(s, "mb_ssd_chain_k", (self._grid(B * H * per),), C.THREADS,
+                             B, H, I["cbeg"], I["desc"], Ec, S, h, hck)
             yg = sc(M * di)  # the outputs gated, Y * silu(z), as the kernel writes them
             self._launch(s, y_k, (H, NC, M2_Q // 64 if tc else 1),  # tc: a block a 64-row tile
                          M2Y_THREADS if tc else OUT_THREADS, I["desc"], H, di, CD, U, G, dt, dA,
@@ -417,10 +437,11 @@ class SsdMixin:
     def _m3_forward(self, w, d_model, x, pieces, buffered_tokens, pending, y, reports, lengths,
                     fast=False, early=None):
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd3.cu)
-        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_ssd_chain_k",
+        C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k",
                      "mb_m3_prep_k", "mb_m3_angles_k", "mb_m3_rotate_k", "mb_m3_pending_k",
                      "mb_m3_fold_k", "mb_m3_last_k", *self.m3_chunk_kernels(tc),
-                     *(("mb_fast_m3_angles_k", *M3S.values()) if tc else ()))
+                     *(("mb_fast_m3_angles_k", *M3S.values()) if tc else
+                       ("mb_ssd_chain_k", "mb_m3_fold_chain_k")))
         self._enter()
         st = self.stream()
         s = st.cu
@@ -490,7 +511,9 @@ class SsdMixin:
             # pass overwrites with the state entering each chunk, as for Mamba-2):
             # sealed ones' contractions, the state pass (fast mode: both in one
             # kernel walking each row's chunks), the outputs
-            S, Ec = sc(max(g[3] for g in plan.groups) * H * per), 0 if tc else sc(NC * H)
+            # (Ec as Mamba-2's)
+            ncg = max(g[3] for g in plan.groups)
+            S, Ec = sc(ncg * H * per), 0 if tc else sc(ncg * H + 1)
             for b0, nb, c0, nc, at in plan.groups:
                 dsc, cb, hb = I["desc"] + 8 * DESC * c0, I["gcbeg"] + 8 * at, h + 4 * b0 * H * per
                 if tc:
@@ -498,12 +521,15 @@ class SsdMixin:
                     self._launch(s, M3S[split], (nb * H * split,), M3S_THREADS, H, cb, dsc,
                                  bk, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
                                  smem=M3S_SMEM[split])
+                elif nb * H >= M3_CHAIN_MIN:
+                    self._fill32(s, Ec, 0, nc * H + 1)
+                    self._launch(s, "mb_m3_fold_chain_k", (nc * H,), IFOLD_THREADS, dsc, H, bk,
+                                 V, DT, SIG, ADT, I["coff"], Bn, B_bias, TH, nc, b0, cb,
+                                 I["kord"] + 8 * c0, Ec, hb, S)
                 else:
-                    E0 = Ec + 4 * H * c0
-                    self.m3_fold(s, tc, nc, H, dsc, bk, V, DT, SIG, ADT, S, E0, rot,
-                                 I["coff"])
+                    self.m3_fold(s, tc, nc, H, dsc, bk, V, DT, SIG, ADT, S, Ec, rot, I["coff"])
                     self._launch(s, "mb_ssd_chain_k", (self._grid(nb * H * per),), C.THREADS,
-                                 nb, H, cb, dsc, E0, S, hb, S)
+                                 nb, H, cb, dsc, Ec, S, hb, S)
                 self.m3_y(s, tc, nc, H, dsc, di, di, bq, bk, V, DT, SIG, ADT, QKG, S, D, z, z,
                           rot)
             # reports of each row's last token, then the working chunk into the state

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 import mamba
-from mamba import _backends, _core, _cuda
+from mamba import _backends, _core, _cuda, _cuda_ssd
 from _util import FAST_BOUND, floats, rand, raw, rel_l2, time_slice
 from blocks import BLOCKS, make
 
@@ -148,6 +148,32 @@ def m2_head_groups(be):
         out += [("y, continued", host(blk.forward(time_slice(x, 257, 262), st)))]
         got.append(out + state_of(st) + reports_of(blk, "mamba2", "after"))
     assert_same(got[1], got[0], "mamba2, 10 heads")
+
+
+def ssd_fold_chain(be, name, monkeypatch):
+    """Identical SSD prefills whose chunk folds and state pass run in one kernel
+    (mb_m2_fold_chain_k, mb_m3_fold_chain_k: the chain thresholds at one), in two
+    (the fold kernel, then mb_ssd_chain_k: thresholds past any launch) and, for
+    Mamba-3, in one a row (each row a group of its own): rows of several chunks, a
+    prefill continued from a state whose first chunk is partly buffered, and a ragged
+    batch all give the C reference's bits."""
+    L, D = BLOCKS[name]["length"], BLOCKS[name]["d_model"]
+    x = rand((3, L, D), 61)
+
+    def run(backend):
+        blk = make(name, backend=backend)
+        st = blk.allocate_state(3)
+        out = [("y", host(blk.forward(time_slice(x, 0, L // 2 + 1), st)))]
+        out += [("y, continued", host(blk.forward(time_slice(x, L // 2 + 1, L), st)))]
+        out += state_of(st) + reports_of(blk, name, "after")
+        return out + [("y, ragged", host(blk.forward(x, lengths=[L, 3, L - 5])))]
+
+    want = run("cpu")
+    for low, group in ((1, _cuda_ssd.S_GROUP), (1 << 30, _cuda_ssd.S_GROUP), (1, 1)):
+        monkeypatch.setattr(_cuda_ssd, "M2_CHAIN_MIN", low)
+        monkeypatch.setattr(_cuda_ssd, "M3_CHAIN_MIN", low)
+        monkeypatch.setattr(_cuda_ssd, "S_GROUP", group)
+        assert_same(run("cuda"), want, f"{name}, chain threshold {low}, S_GROUP {group}")
 
 
 SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]

@@ -28,7 +28,7 @@ from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, REPORTS, SS
                           gemm_tails, host, m2_head_groups,
                           input_check_in_norm, math_matches_reference, norm_gemv, poisoned,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
-                          ssd_session_graph, state_of)
+                          ssd_fold_chain, ssd_session_graph, state_of)
 
 
 
@@ -740,6 +740,11 @@ def test_gemm_tails(be, monkeypatch):
 
 def test_m2_head_groups(be):
     m2_head_groups(be)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
+def test_ssd_fold_chain(be, name, monkeypatch):
+    ssd_fold_chain(be, name, monkeypatch)
 
 
 def test_math_matches_reference(be):

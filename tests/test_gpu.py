@@ -21,7 +21,7 @@ from device_lanes import (FAST_NORM_SHAPES, NORM_GEMVS, NORM_SHAPES, SSD_SESSION
                           angle_walks, fast_rmsnorm_rows, frees_during_capture, gemm_tails,
                           m2_head_groups, input_check_in_norm, math_matches_reference, norm_gemv,
                           refusals_after_launch, rmsnorm_rows, scan_exp_ranges,
-                          ssd_session_graph)
+                          ssd_fold_chain, ssd_session_graph)
 
 D = 32  # d_model of the small device checks
 
@@ -286,6 +286,12 @@ def test_gemm_tails(be, monkeypatch):
 @pytest.mark.gpu
 def test_m2_head_groups(be):
     m2_head_groups(be)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mamba2", "mamba3"])
+def test_ssd_fold_chain(be, name, monkeypatch):
+    ssd_fold_chain(be, name, monkeypatch)
 
 
 @pytest.mark.gpu

@@ -603,6 +603,59 @@ MB_DEV void ssd_put4(float *o, const float *hi, float ex, int64_t e, float4 v)
     *(float4 *)(o + e) = v;
 }
 
+/* A prefill's sealed-chunk folds and its state pass in one kernel (the fold kernel
+ * then mb_ssd_chain_k, the same operations), one block of SSD_IFOLD threads a
+ * (chunk, head). Blocks take them in the order of kord (the rows' first chunks, then
+ * their second ones, ...), H heads a chunk, by a ticket (sync[nc H]), so that a
+ * block waits only on blocks already running. Each runs fold(c, h, out) of its
+ * chunk (out(e, v, exp(cs_last)) as ssd_fold's), waits for the flag sync[(c - 1) H
+ * + h] of the block that published the state entering chunk c in hck (a row's first
+ * chunk: the state hs itself, which it copies to hck), and publishes fma(exp(cs_last),
+ * entering, S) (a chunk without the fold flag: the entering state) as the next
+ * chunk's in hck, or, after a row's last chunk, into hs. S never goes to memory.
+ * Rows b0 + r, r from 0, hold chunks [cb[r], cb[r + 1]); sync: nc H + 1 words of zero
+ * (its memset precedes the launch, so no MB_GRID_WAIT). */
+#define SSD_FOLD_CHAIN_PARAMS                                                           \
+    int64_t nc, int64_t b0, const int64_t *cb, const int64_t *kord, unsigned *sync,     \
+        float *hs, float *hck
+template <class Fold>
+MB_DEV void ssd_fold_chain(int64_t H, const int64_t *desc, SSD_FOLD_CHAIN_PARAMS, Fold fold)
+{
+    __shared__ unsigned ticket;
+    const int t = threadIdx.x;
+    if (t == 0) ticket = atomicAdd(&sync[nc * H], 1u);
+    __syncthreads();
+    const int64_t c = kord[ticket / H], h = ticket % H, per = SSD_HP * SSD_NS;
+    const int64_t r = desc[c * MB_DESC] - b0, first = cb[r], end = cb[r + 1];
+    float *hr = hs + (r * H + h) * per, *here = hck + (c * H + h) * per;
+    const float *in = c == first ? hr : here;
+    float *o = c + 1 < end ? hck + ((c + 1) * H + h) * per : hr;
+    bool waited = false;
+    auto step = [&](int64_t e, float4 v, float ex, bool folds) {
+        if (!waited) { /* every thread reaches it at its first output */
+            if (t == 0 && c != first) {
+                volatile unsigned *f = &sync[(c - 1) * H + h];
+                while (*f == 0) {
+                }
+                __threadfence();
+            }
+            __syncthreads();
+            waited = true;
+        }
+        const float4 hv = mb_ld_cg4(in + e);
+        if (c == first) *(float4 *)(here + e) = hv;
+        *(float4 *)(o + e) = folds ? ssd_fma4(ex, hv, v) : hv;
+    };
+    if (desc[c * MB_DESC + 5])
+        fold(c, h, [&](int64_t e, float4 v, float ex) { step(e, v, ex, true); });
+    else
+        for (int64_t e = 4 * t; e < per; e += 4 * SSD_IFOLD)
+            step(e, make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f, false);
+    __threadfence();
+    __syncthreads();
+    if (t == 0 && c + 1 < end) atomicExch(&sync[c * H + h], 1u);
+}
+
 #if defined(MB_MMA)
 /* Fast mode's chunk contraction (both blocks): o[p * SSD_NS + m] = sum over rows j < n
  * of (k_j[m] fm_j) (vp_j[p] fp_j), k_j = krow(j) (SSD_NS wide) and vp_j = vp + j ldv

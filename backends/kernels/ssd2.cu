@@ -7,6 +7,7 @@
  *                  64 x 64 tile per block.
  *   mb_m2_fold_k   S = (B * exp(cs_last - cs))^T . Xd per (chunk, head); with hin,
  *                  the fold fma(exp(cs_last), hin, S) itself (the h_last report).
+ *   mb_m2_fold_chain_k a prefill's folds and state pass in one (ssd_fold_chain).
  *   mb_m2_y_k      Y = Y_diag + Y_off + x * D of a chunk and head per block, and
  *                  (or) g = Y * silu(z).
  * Every sum is the C reference's serial chain, each output's own (the products in
@@ -99,30 +100,19 @@ mb_m2_g_k(const int64_t *desc, int64_t di, int64_t CD, const float *U, float *G)
     }
 }
 
-/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
- * write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports, chunk c is
- * row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0.
- * S's terms are (B_j[m] * dec_j) (x_j[p] * dt_j), each product rounded once as in
- * block2.c. */
-#define M2_FOLD_PARAMS                                                                      \
+/* The fold of chunk c (desc, n > 0 rows) and head h on a block of SSD_IFOLD threads:
+ * out(e, v, exp(cs_last)) of S (HP, NS) as ssd_fold's, S's terms (B_j[m] * dec_j)
+ * (x_j[p] * dt_j), each product rounded once as in block2.c. */
+#define M2_FOLD_IN                                                                          \
     const int64_t *desc, int64_t H, int64_t di, int64_t CD, const float *U, const float *dt,  \
-        const float *cs, const float *hin, float *out, float *E
-MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
+        const float *cs
+template <class Out> MB_DEV void m2_fold_at(int64_t c, int64_t h, M2_FOLD_IN, Out out)
 {
-    MB_GRID_WAIT();
     __shared__ float dec[M2Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
-    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS;
-    if (!hin && !d[5]) return;
-    if (n == 0) {
-        for (int64_t e = threadIdx.x; e < per; e += SSD_IFOLD) out[ch * per + e] = hin[ch * per + e];
-        return;
-    }
+    const int64_t ch = c * H + h, *d = desc + c * MB_DESC, e0 = d[1], n = d[2];
     const float *csc = cs + ch * M2Q, *dtc = dt + ch * M2Q, *u = U + e0 * CD;
     float ex = 0.0f;
-    float *o = out + ch * per;
-    const float *hi = hin ? hin + ch * per : nullptr;
     ssd_fold<SSD_IFOLD>(
         n,
         [&] {
@@ -133,8 +123,36 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
         ssd_rows_a([&](int64_t j) { return u + j * CD + di; }, sA),
         ssd_scale_a([&](int64_t j) { return dec[j]; }, sA),
         [&](int64_t j) { return u + j * CD + h * SSD_HP; }, [&](int64_t j) { return dtc[j]; },
-        [&](int64_t e, float4 v) { ssd_put4(o, hi, ex, e, v); }, sA, sB);
-    if (!hin && threadIdx.x == 0) E[ch] = ex;
+        [&](int64_t e, float4 v) { out(e, v, ex); }, sA, sB);
+}
+
+/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
+ * write S[c, h] (HP, NS) and E[c, h] = exp(cs_last). With hin (reports, chunk c is
+ * row c): out[c, h] = fma(exp(cs_last), hin[c, h], S), or hin when n = 0. */
+#define M2_FOLD_PARAMS M2_FOLD_IN, const float *hin, float *out, float *E
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
+{
+    MB_GRID_WAIT();
+    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, per = SSD_HP * SSD_NS;
+    if (!hin && !desc[c * MB_DESC + 5]) return;
+    if (desc[c * MB_DESC + 2] == 0) {
+        for (int64_t e = threadIdx.x; e < per; e += SSD_IFOLD) out[ch * per + e] = hin[ch * per + e];
+        return;
+    }
+    float *o = out + ch * per;
+    const float *hi = hin ? hin + ch * per : nullptr;
+    m2_fold_at(c, h, desc, H, di, CD, U, dt, cs, [&](int64_t e, float4 v, float ex) {
+        ssd_put4(o, hi, ex, e, v);
+        if (!hin && e == 0) E[ch] = ex;
+    });
+}
+
+/* A forward's full chunks' folds and its state pass in one (ssd_fold_chain) */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_chain_k(M2_FOLD_IN, SSD_FOLD_CHAIN_PARAMS)
+{
+    ssd_fold_chain(H, desc, nc, b0, cb, kord, sync, hs, hck, [&](int64_t c, int64_t h, auto out) {
+        m2_fold_at(c, h, desc, H, di, CD, U, dt, cs, out);
+    });
 }
 
 #if defined(MB_MMA)

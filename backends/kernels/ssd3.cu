@@ -12,6 +12,7 @@
  *   mb_m3_pending_k Input_States: h0 = h + (v * k) * (dt_1 * (1 - sig_1)).
  *   mb_m3_fold_k    S = (v * exp(cs_last - cs))^T . (k * scale) per (chunk, head);
  *                   with hin, the fold itself (the h_last report).
+ *   mb_m3_fold_chain_k a prefill's folds and state pass in one (ssd_fold_chain).
  *   mb_m3_y_k       the gated output of a chunk and head per block.
  *   mb_m3_last_k    the k_last and v_last reports.
  * The backward (back3.cu) and the decode step (ssd_step.cu) include this file for its
@@ -484,35 +485,29 @@ MB_DEV void m3_fold(int64_t n, Adt adt, Scl scl, KC kcopy, KF kform, VR vrow, Ou
                 sA, sB);
 }
 
-/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
- * (sealed: the next ext row exists) write S[c, h] (HP, NS) and E[c, h] =
- * exp(cs_last). With hin (reports, chunk c is row c, its last row's beta +0):
- * out[c, h] = fma(exp(cs_last), hin[c, h], S). krow (optional): K's row of the
- * chunk's row 0 for row b = krow[b] (K holding a chunk a row: the state's buffers or
- * the last chunks), else the ext row. Bn (optional, without hin): the new rows' k
+/* The identical fold of chunk c (desc) and head h on a block of SSD_IFOLD threads:
+ * out(e, v, exp(cs_last)) of S (HP, NS) as m3_fold's. krow (optional): K's row of
+ * the chunk's row 0 for row b = krow[b] (K holding a chunk a row: the state's
+ * buffers or the last chunks), else the ext row. Bn (optional): the new rows' k
  * formed from the normed B rows Bn and B_bias (H, SSD_NS) by the turns that
- * mb_m3_angles_k parked in TK (m3_form4). */
-#define M3_FOLD_PARAMS                                                                   \
+ * mb_m3_angles_k parked in TK (m3_form4). beta1: the last row's beta is read (the
+ * chunk is sealed: the next ext row exists), else +0. */
+#define M3_FOLD_IN                                                                       \
     const int64_t *desc, int64_t H, const float *K, const float *V, const float *DT,        \
-        const float *SIG, const float *ADT, const float *hin, float *out, float *E
-MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4)
-mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *B_bias,
-             const float *TK)
+        const float *SIG, const float *ADT
+#define M3_FOLD_FORM const int64_t *krow, const float *Bn, const float *B_bias, const float *TK
+template <class Out>
+MB_DEV void m3_fold_at(int64_t c, int64_t h, bool beta1, M3_FOLD_IN, M3_FOLD_FORM, Out out)
 {
-    MB_GRID_WAIT();
     __shared__ float cs[M3Q], sc[M3Q], dec[M3Q];
     __shared__ __align__(16) float sA[SSD_FJ][SSD_NS], sB[SSD_FJ][SSD_HP];
     __shared__ __align__(16) float4 sT[SSD_FJ][2 * M3A / 4]; /* new rows' turns */
-    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;
-    const int64_t e0 = d[1], n = d[2], per = SSD_HP * SSD_NS, k0 = krow ? krow[d[0]] : e0;
+    const int64_t *d = desc + c * MB_DESC;
+    const int64_t e0 = d[1], n = d[2], k0 = krow ? krow[d[0]] : e0;
     const int64_t r0 = Bn ? d[3] : n, tok0 = d[4] - d[3]; /* rows from r0 on are formed */
-    const bool sealed = d[5] != 0;
-    if (!hin && !sealed) return;
-    float *o = out + ch * per;
-    const float *hi = hin ? hin + ch * per : nullptr;
     m3_fold<SSD_IFOLD>(
         n, [&](int64_t j) { return ADT[(e0 + j) * H + h]; },
-        [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || sealed); },
+        [&](int64_t j) { return m3_scale(DT, SIG, H, (e0 + j) * H + h, j + 1 < n || beta1); },
         [&](int64_t j, int s, int m, bool in) {
             if (j < r0) {
                 mb_cp_async16(&sA[s][m], K + ((k0 + j) * H + h) * SSD_NS + m, in ? 16 : 0);
@@ -528,12 +523,36 @@ mb_m3_fold_k(M3_FOLD_PARAMS, const int64_t *krow, const float *Bn, const float *
             *x = m3_form4(*x, *(const float4 *)(B_bias + h * SSD_NS + m),
                           m < 2 * M3A ? sT[s][m / 4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f), m);
         },
-        [&](int64_t j) { return V + ((e0 + j) * H + h) * SSD_HP; },
-        [&](int64_t e, float4 v, float ex) {
-            ssd_put4(o, hi, ex, e, v);
-            if (!hin && e == 0) E[ch] = ex;
-        },
-        cs, sc, dec, sA, sB);
+        [&](int64_t j) { return V + ((e0 + j) * H + h) * SSD_HP; }, out, cs, sc, dec, sA, sB);
+}
+
+/* Block (chunk c, head h), SSD_IFOLD threads. Without hin: chunks with the fold flag
+ * (sealed) write S[c, h] and E[c, h] = exp(cs_last). With hin (reports, chunk c is
+ * row c, its last row's beta +0): out[c, h] = fma(exp(cs_last), hin[c, h], S). */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4)
+mb_m3_fold_k(M3_FOLD_IN, const float *hin, float *out, float *E, M3_FOLD_FORM)
+{
+    MB_GRID_WAIT();
+    const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, per = SSD_HP * SSD_NS;
+    const bool sealed = desc[c * MB_DESC + 5] != 0;
+    if (!hin && !sealed) return;
+    float *o = out + ch * per;
+    const float *hi = hin ? hin + ch * per : nullptr;
+    m3_fold_at(c, h, sealed, desc, H, K, V, DT, SIG, ADT, krow, Bn, B_bias, TK,
+               [&](int64_t e, float4 v, float ex) {
+                   ssd_put4(o, hi, ex, e, v);
+                   if (!hin && e == 0) E[ch] = ex;
+               });
+}
+
+/* The sealed chunks' folds and the state pass in one (mb_m3_fold_k then
+ * mb_ssd_chain_k, the same operations; ssd_fold_chain). */
+MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4)
+mb_m3_fold_chain_k(M3_FOLD_IN, M3_FOLD_FORM, SSD_FOLD_CHAIN_PARAMS)
+{
+    ssd_fold_chain(H, desc, nc, b0, cb, kord, sync, hs, hck, [&](int64_t c, int64_t h, auto out) {
+        m3_fold_at(c, h, true, desc, H, K, V, DT, SIG, ADT, krow, Bn, B_bias, TK, out);
+    });
 }
 
 #if defined(MB_MMA)
@@ -637,7 +656,8 @@ MB_DEV float4 m3_turns(int p, float a, float b)
 
 /* mb_m3_fold_k in fast mode (sealed chunks, without hin; the backward's, its q and k
  * in Q and K): ssd_fast_fold of k's rows times scale_j and v's rows times dec_j. */
-MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m3_fold_k(M3_FOLD_PARAMS)
+MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3)
+mb_fast_m3_fold_k(M3_FOLD_IN, const float *hin, float *out, float *E)
 {
     __shared__ float adt[M3Q], sc[M3Q], cs[M3Q], suf[M3Q + 1], dec[M3Q];
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, *d = desc + c * MB_DESC;

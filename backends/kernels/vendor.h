@@ -65,6 +65,17 @@ MB_DEV void mb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 /* Wait until at most N committed groups of this thread are still in flight. */
 template <int N> MB_DEV void mb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 #endif
+/* Four floats read from L2, past the multiprocessor's own cache, where another
+ * block of the same kernel published them (behind a flag) */
+#if defined(__HIPCC__)
+MB_DEV float4 mb_ld_cg4(const float *p)
+{
+    const volatile float *v = p;
+    return make_float4(v[0], v[1], v[2], v[3]);
+}
+#else
+MB_DEV float4 mb_ld_cg4(const float *p) { return __ldcg((const float4 *)p); }
+#endif
 /* mb_cp_wait<n> for an n known at run time; past 3 it waits as for 3 (for more of
  * the copies than asked, never fewer) */
 MB_DEV void mb_cp_wait_n(int n)

@@ -109,6 +109,7 @@ struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 struct __attribute__((aligned(8))) float2 { float x, y; };
 static inline float2 make_float2(float x, float y) { return {x, y}; }
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline float4 __ldcg(const float4 *p) { return *p; }
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
@@ -125,6 +126,12 @@ static inline unsigned atomicAdd(unsigned *p, unsigned v)
 {
     const unsigned old = *p;
     *p = old + v;
+    return old;
+}
+static inline unsigned atomicExch(unsigned *p, unsigned v)
+{
+    const unsigned old = *p;
+    *p = v;
     return old;
 }
 static inline void __threadfence(void) {}
