@@ -55,8 +55,8 @@ S_GROUP = 1 << 26
 # (mb_m2_fold_chain_k, mb_m3_fold_chain_k) for launches of at least this many
 # (row, head) chains: each chain then waits a hop (an L2 round trip and fences) a
 # chunk, which only enough chains side by side hide behind the folds. The smallest
-# counts measured to gain (H100; Mamba-3 lost at 64)
-M2_CHAIN_MIN, M3_CHAIN_MIN = 64, 128
+# count measured to gain (H100, both blocks)
+CHAIN_MIN = 64
 VALIDATED = True  # the mamba2/mamba3 lanes passed on an H200 (docs/gpu-validation.md, run 9)
 
 
@@ -302,7 +302,7 @@ class SsdMixin:
         tc = fast and self.tensor_cores  # fast mode's chunk kernels (ssd2.cu)
         dm, B, L = d_model, x.shape[0], x.shape[1]
         di, H, NP = m2_dims(dm)
-        fused = not tc and B * H >= M2_CHAIN_MIN
+        fused = not tc and B * H >= CHAIN_MIN
         y_k, fold_k = self.kname("m2_y_k", tc), self.kname("m2_fold_k", tc)
         C = self._ssd_fn("mb_ssd_load_k", "mb_ssd_store_k", "mb_ssd_put_k", "mb_m2_prep_k",
                      "mb_m2_g_k", y_k, *(("mb_m2_fold_chain_k",) if fused else
@@ -521,7 +521,7 @@ class SsdMixin:
                     self._launch(s, M3S[split], (nb * H * split,), M3S_THREADS, H, cb, dsc,
                                  bk, V, DT, SIG, ADT, Bn, B_bias, TH, hb, S,
                                  smem=M3S_SMEM[split])
-                elif nb * H >= M3_CHAIN_MIN:
+                elif nb * H >= CHAIN_MIN:
                     self._fill32(s, Ec, 0, nc * H + 1)
                     self._launch(s, "mb_m3_fold_chain_k", (nc * H,), IFOLD_THREADS, dsc, H, bk,
                                  V, DT, SIG, ADT, I["coff"], Bn, B_bias, TH, nc, b0, cb,

@@ -152,8 +152,8 @@ def m2_head_groups(be):
 
 def ssd_fold_chain(be, name, monkeypatch):
     """Identical SSD prefills whose chunk folds and state pass run in one kernel
-    (mb_m2_fold_chain_k, mb_m3_fold_chain_k: the chain thresholds at one), in two
-    (the fold kernel, then mb_ssd_chain_k: thresholds past any launch) and, for
+    (mb_m2_fold_chain_k, mb_m3_fold_chain_k: the chain threshold at one), in two
+    (the fold kernel, then mb_ssd_chain_k: the threshold past any launch) and, for
     Mamba-3, in one a row (each row a group of its own): rows of several chunks, a
     prefill continued from a state whose first chunk is partly buffered, and a ragged
     batch all give the C reference's bits."""
@@ -170,8 +170,7 @@ def ssd_fold_chain(be, name, monkeypatch):
 
     want = run("cpu")
     for low, group in ((1, _cuda_ssd.S_GROUP), (1 << 30, _cuda_ssd.S_GROUP), (1, 1)):
-        monkeypatch.setattr(_cuda_ssd, "M2_CHAIN_MIN", low)
-        monkeypatch.setattr(_cuda_ssd, "M3_CHAIN_MIN", low)
+        monkeypatch.setattr(_cuda_ssd, "CHAIN_MIN", low)
         monkeypatch.setattr(_cuda_ssd, "S_GROUP", group)
         assert_same(run("cuda"), want, f"{name}, chain threshold {low}, S_GROUP {group}")
 

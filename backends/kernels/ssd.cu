@@ -630,27 +630,38 @@ MB_DEV void ssd_fold_chain(int64_t H, const int64_t *desc, SSD_FOLD_CHAIN_PARAMS
     float *hr = hs + (r * H + h) * per, *here = hck + (c * H + h) * per;
     const float *in = c == first ? hr : here;
     float *o = c + 1 < end ? hck + ((c + 1) * H + h) * per : hr;
-    bool waited = false;
-    auto step = [&](int64_t e, float4 v, float ex, bool folds) {
-        if (!waited) { /* every thread reaches it at its first output */
-            if (t == 0 && c != first) {
-                volatile unsigned *f = &sync[(c - 1) * H + h];
-                while (*f == 0) {
-                }
-                __threadfence();
-            }
-            __syncthreads();
-            waited = true;
+    /* the thread's outputs held until the entering state is in; its loads then go
+     * out NL at a time ahead of their stores (a round trip to L2 for NL pieces, not
+     * for each), NL as the registers allow */
+    constexpr int NO = SSD_HP * SSD_NS / 4 / SSD_IFOLD, NL = 8;
+    int oe[NO];
+    float4 ov[NO];
+    float ex = 0.0f;
+    const bool folds = desc[c * MB_DESC + 5];
+    int k = 0;
+    if (folds)
+        fold(c, h, [&](int64_t e, float4 v, float x) { oe[k] = e, ov[k++] = v, ex = x; });
+#pragma unroll
+    for (int i = 0; i < NO; i++)
+        if (!folds) oe[i] = 4 * (t + SSD_IFOLD * i);
+    if (t == 0 && c != first) {
+        volatile unsigned *f = &sync[(c - 1) * H + h];
+        while (*f == 0) {
         }
-        const float4 hv = mb_ld_cg4(in + e);
-        if (c == first) *(float4 *)(here + e) = hv;
-        *(float4 *)(o + e) = folds ? ssd_fma4(ex, hv, v) : hv;
-    };
-    if (desc[c * MB_DESC + 5])
-        fold(c, h, [&](int64_t e, float4 v, float ex) { step(e, v, ex, true); });
-    else
-        for (int64_t e = 4 * t; e < per; e += 4 * SSD_IFOLD)
-            step(e, make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f, false);
+        __threadfence();
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i0 = 0; i0 < NO; i0 += NL) {
+        float4 hv[NL];
+#pragma unroll
+        for (int i = 0; i < NL; i++) hv[i] = mb_ld_cg4(in + oe[i0 + i]);
+#pragma unroll
+        for (int i = 0; i < NL; i++) {
+            if (c == first) *(float4 *)(here + oe[i0 + i]) = hv[i];
+            *(float4 *)(o + oe[i0 + i]) = folds ? ssd_fma4(ex, hv[i], ov[i0 + i]) : hv[i];
+        }
+    }
     __threadfence();
     __syncthreads();
     if (t == 0 && c + 1 < end) atomicExch(&sync[c * H + h], 1u);
