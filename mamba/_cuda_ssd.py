@@ -18,7 +18,6 @@ VALIDATED switches the two blocks on for this backend; with it False they are
 offered only under MAMBA_CUDA_SSD=1 (for a port not yet run on its hardware).
 """
 import array
-import bisect
 import ctypes
 import functools
 import os
@@ -53,7 +52,7 @@ MAX_GRID_Z = 65535
 S_GROUP = 1 << 26
 # identical mode folds the chunks and passes the states in one kernel
 # (mb_m2_fold_chain_k, mb_m3_fold_chain_k) for launches of at least this many
-# (row, head) chains: each chain then waits a hop (an L2 round trip and fences) a
+# (row, head) chains: each chain then waits a hop (L2 round trips and fences) a
 # chunk, which only enough chains side by side hide behind the folds. The smallest
 # count measured to gain (H100, both blocks)
 CHAIN_MIN = 64
@@ -160,9 +159,9 @@ class _Plan:
             self.groups.append((b0, b1 - b0, cbeg[b0], cbeg[b1] - cbeg[b0], len(gcbeg)))
             gcbeg += [c - cbeg[b0] for c in cbeg[b0:b1 + 1]]
             # the group's chunks, the rows' first ones, then their second ones, ...
-            kord += sorted(range(cbeg[b1] - cbeg[b0]),
-                           key=lambda c, g=gcbeg[-(b1 - b0 + 1):]:
-                           (c - g[bisect.bisect_right(g, c) - 1], c))
+            spans = list(zip(gcbeg[-(b1 - b0 + 1):-1], gcbeg[-(b1 - b0):]))
+            kord += [c0 + k for k in range(max(c1 - c0 for c0, c1 in spans))
+                     for c0, c1 in spans if c0 + k < c1]
             b0 = b1
         self._tables, self._at = array.array("q"), []
         for name, part in (("off", off), ("t0", [t0] * B), ("zero", [0] * B), ("eoff", eoff),

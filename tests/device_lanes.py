@@ -156,7 +156,7 @@ def ssd_fold_chain(be, name, monkeypatch):
     (the fold kernel, then mb_ssd_chain_k: the threshold past any launch) and, for
     Mamba-3, in one a row (each row a group of its own): rows of several chunks, a
     prefill continued from a state whose first chunk is partly buffered, and a ragged
-    batch all give the C reference's bits."""
+    batch all give the C reference's bits, each way launching the kernels it names."""
     L, D = BLOCKS[name]["length"], BLOCKS[name]["d_model"]
     x = rand((3, L, D), 61)
 
@@ -169,10 +169,17 @@ def ssd_fold_chain(be, name, monkeypatch):
         return out + [("y, ragged", host(blk.forward(x, lengths=[L, 3, L - 5])))]
 
     want = run("cpu")
+    names, launch = [], type(be)._launch
+    monkeypatch.setattr(type(be), "_launch", lambda self, s, n, *a, **k: names.append(n) or
+                        launch(self, s, n, *a, **k))
+    fused = "mb_m2_fold_chain_k" if name == "mamba2" else "mb_m3_fold_chain_k"
     for low, group in ((1, _cuda_ssd.S_GROUP), (1 << 30, _cuda_ssd.S_GROUP), (1, 1)):
         monkeypatch.setattr(_cuda_ssd, "CHAIN_MIN", low)
         monkeypatch.setattr(_cuda_ssd, "S_GROUP", group)
-        assert_same(run("cuda"), want, f"{name}, chain threshold {low}, S_GROUP {group}")
+        names.clear()
+        what = f"{name}, chain threshold {low}, S_GROUP {group}"
+        assert_same(run("cuda"), want, what)
+        assert (fused in names, "mb_ssd_chain_k" in names) == (low == 1, low != 1), what
 
 
 SSD_SESSIONS = [("mamba2", 1), ("mamba2", 3), ("mamba3", 1), ("mamba3", 3)]
