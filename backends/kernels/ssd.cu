@@ -603,6 +603,16 @@ MB_DEV void ssd_put4(float *o, const float *hi, float ex, int64_t e, float4 v)
     *(float4 *)(o + e) = v;
 }
 
+/* The fold kernels' out: S (or its fold onto hi) at o, and exp(cs_last) into *E where
+ * E is given. */
+MB_DEV auto ssd_fold_put(float *o, const float *hi, float *E)
+{
+    return [=](int64_t e, float4 v, float ex) {
+        ssd_put4(o, hi, ex, e, v);
+        if (E && e == 0) *E = ex;
+    };
+}
+
 /* A prefill's sealed-chunk folds and its state pass in one kernel (the fold kernel
  * then mb_ssd_chain_k, the same operations), one block of SSD_IFOLD threads a
  * (chunk, head). Blocks take them in the order of kord (the rows' first chunks, then

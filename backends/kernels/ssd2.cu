@@ -139,12 +139,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_IFOLD, 4) mb_m2_fold_k(M2_FOLD_PARAMS)
         for (int64_t e = threadIdx.x; e < per; e += SSD_IFOLD) out[ch * per + e] = hin[ch * per + e];
         return;
     }
-    float *o = out + ch * per;
-    const float *hi = hin ? hin + ch * per : nullptr;
-    m2_fold_at(c, h, desc, H, di, CD, U, dt, cs, [&](int64_t e, float4 v, float ex) {
-        ssd_put4(o, hi, ex, e, v);
-        if (!hin && e == 0) E[ch] = ex;
-    });
+    m2_fold_at(c, h, desc, H, di, CD, U, dt, cs,
+               ssd_fold_put(out + ch * per, hin ? hin + ch * per : nullptr, hin ? nullptr : E + ch));
 }
 
 /* A forward's full chunks' folds and its state pass in one (ssd_fold_chain) */

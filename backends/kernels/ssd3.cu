@@ -536,13 +536,8 @@ mb_m3_fold_k(M3_FOLD_IN, const float *hin, float *out, float *E, M3_FOLD_FORM)
     const int64_t c = blockIdx.x, h = blockIdx.y, ch = c * H + h, per = SSD_HP * SSD_NS;
     const bool sealed = desc[c * MB_DESC + 5] != 0;
     if (!hin && !sealed) return;
-    float *o = out + ch * per;
-    const float *hi = hin ? hin + ch * per : nullptr;
     m3_fold_at(c, h, sealed, desc, H, K, V, DT, SIG, ADT, krow, Bn, B_bias, TK,
-               [&](int64_t e, float4 v, float ex) {
-                   ssd_put4(o, hi, ex, e, v);
-                   if (!hin && e == 0) E[ch] = ex;
-               });
+               ssd_fold_put(out + ch * per, hin ? hin + ch * per : nullptr, hin ? nullptr : E + ch));
 }
 
 /* The sealed chunks' folds and the state pass in one (mb_m3_fold_k then
