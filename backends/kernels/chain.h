@@ -9,11 +9,11 @@
 #include "ops.h"
 
 /* acc continued over the kc terms x[k] * w[k], k ascending, one fmaf each (x and
- * w 16-byte aligned, kc a multiple of 16; SQUARE: w is x; the first 8 terms are
- * read even when kc is 0). The next 8 terms are
- * loaded while the current 8 are walked, so the chain waits on the fma alone, not
- * on shared-memory latency; the loop is kept rolled because unrolled, the compiler
- * sinks each load to just before its use. */
+ * w 16-byte aligned, kc a multiple of 16; SQUARE: w is x); no term past kc is read.
+ * Eight pieces of four terms are in flight, each reloaded 32 terms ahead once
+ * walked, so the chain waits on the fma, not on shared-memory latency: 8 terms
+ * ahead the chain took 8.3 cycles a term, 32 ahead 6.6 (the fma alone 5.2; H100,
+ * loaders copying beside it). */
 #define MB_LD4(p) (*(const float4 *)(p))
 #define MB_FMA4(a, b)                                                                 \
     {                                                                                 \
@@ -25,23 +25,29 @@
 template <bool SQUARE>
 MB_DEV float mb_chain_tile(float acc, const float *x, const float *w, int kc)
 {
-    float4 a0 = MB_LD4(x), a1 = MB_LD4(x + 4);
-    float4 v0 = SQUARE ? a0 : MB_LD4(w), v1 = SQUARE ? a1 : MB_LD4(w + 4);
-#pragma unroll 1
-    for (int k = 0; k < kc; k += 16) {
-        const float4 b0 = MB_LD4(x + k + 8), b1 = MB_LD4(x + k + 12);
-        const float4 u0 = SQUARE ? b0 : MB_LD4(w + k + 8), u1 = SQUARE ? b1 : MB_LD4(w + k + 12);
-        MB_FMA4(a0, v0)
-        MB_FMA4(a1, v1)
-        if (k + 16 < kc) {
-            a0 = MB_LD4(x + k + 16);
-            a1 = MB_LD4(x + k + 20);
-            v0 = SQUARE ? a0 : MB_LD4(w + k + 16);
-            v1 = SQUARE ? a1 : MB_LD4(w + k + 20);
+    float4 a[8], v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (4 * i < kc) {
+            a[i] = MB_LD4(x + 4 * i);
+            v[i] = SQUARE ? a[i] : MB_LD4(w + 4 * i);
         }
-        MB_FMA4(b0, u0)
-        MB_FMA4(b1, u1)
+    int k = 0;
+#pragma unroll 1
+    for (; k + 32 <= kc; k += 32) {
+        const bool lo = k + 32 < kc, hi = k + 48 < kc; /* pieces 0-3 and 4-7 reload */
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            MB_FMA4(a[i], v[i])
+            if (i < 4 ? lo : hi) {
+                a[i] = MB_LD4(x + k + 32 + 4 * i);
+                v[i] = SQUARE ? a[i] : MB_LD4(w + k + 32 + 4 * i);
+            }
+        }
     }
+    if (k < kc) /* a last 16 */
+#pragma unroll
+        for (int i = 0; i < 4; i++) MB_FMA4(a[i], v[i])
     return acc;
 }
 #undef MB_LD4
@@ -57,7 +63,7 @@ MB_DEV float mb_sumsq_tail(float acc, const float *t, int64_t n)
     return acc;
 }
 
-/* dot v1 of a row with itself, the row staged whole (16-byte aligned, padded by 8) */
+/* dot v1 of a row with itself, the row staged whole (16-byte aligned) */
 MB_DEV float mb_sumsq_row(const float *t, int64_t n)
 {
     return mb_sumsq_tail(mb_chain_tile<true>(0.0f, t, t, (int)n / 16 * 16), t, n);
