@@ -280,9 +280,6 @@ MB_GEMM_KERNEL(mb_gemm_strip_res_k, 4, 64, 32, 64, 32, 8, 8, 16, true)
 #define GV_LD (GV_KC + 4)
 #define GV_STAGES 2
 #define GV_THREADS 256
-#ifndef GV_FULL_P
-#define GV_FULL_P 4
-#endif
 #define GV_NLD(K) (((K) + 31) / 32 * 32 + 4) /* 4 mod 32: as rmsnorm.cu's whole rows */
 
 MB_KERNEL void MB_BOUNDS(GV_THREADS)
@@ -351,10 +348,8 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
             const float *x = nw ? Xs + mw * xld + (int64_t)c * GV_KC
                                 : Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
-            if (kn >= GV_KC && mrows < GV_MROWS)
+            if (kn >= GV_KC)
                 acc = mb_chain_tile<false>(acc, x, w, GV_KC);
-            else if (kn >= GV_KC) /* every warp walks: their loads overlap */
-                acc = mb_chain_tile<false, GV_FULL_P>(acc, x, w, GV_KC);
             else
                 for (int kk = 0; kk < kn; kk++) acc = fmaf(x[kk], w[kk], acc);
         }
