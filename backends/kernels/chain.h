@@ -8,66 +8,47 @@
 #include "numerics.h"
 #include "ops.h"
 
-/* acc[r] continued over the kc terms x[r][k] * w[k], k ascending, one fmaf each (x
- * and w 16-byte aligned, kc a multiple of 16; SQUARE: w is x[0], R = 1); no term past
- * kc is read. P pieces of four terms of each row are in flight, each reloaded 4 P
- * terms ahead once walked, so a lone chain waits on the fma, not on shared-memory
- * latency: 8 terms ahead it took 8.3 cycles a term, 32 ahead (P = 8) 6.6 (the fma
- * alone 5.2; H100, loaders copying beside it). R rows share each piece of w read. */
+/* acc continued over the kc terms x[k] * w[k], k ascending, one fmaf each (x and
+ * w 16-byte aligned, kc a multiple of 16; SQUARE: w is x); no term past kc is read.
+ * Eight pieces of four terms are in flight, each reloaded 32 terms ahead once
+ * walked, so the chain waits on the fma, not on shared-memory latency: 8 terms
+ * ahead the chain took 8.3 cycles a term, 32 ahead 6.6 (the fma alone 5.2; H100,
+ * loaders copying beside it). */
 #define MB_LD4(p) (*(const float4 *)(p))
-#define MB_FMA4(acc, a, b)                                                            \
+#define MB_FMA4(a, b)                                                                 \
     {                                                                                 \
         acc = fmaf((a).x, (b).x, acc);                                                \
         acc = fmaf((a).y, (b).y, acc);                                                \
         acc = fmaf((a).z, (b).z, acc);                                                \
         acc = fmaf((a).w, (b).w, acc);                                                \
     }
-template <bool SQUARE, int R = 1, int P = 8>
-MB_DEV void mb_chain_rows(float (&acc)[R], const float *const (&x)[R], const float *w, int kc)
-{
-    static_assert(P == 1 || P == 2 || P % 4 == 0, "kc - k stays a multiple of the step");
-    static_assert(!SQUARE || R == 1, "a square walks one row");
-    float4 a[R][P], v[P];
-#pragma unroll
-    for (int i = 0; i < P; i++)
-        if (4 * i < kc) {
-#pragma unroll
-            for (int r = 0; r < R; r++) a[r][i] = MB_LD4(x[r] + 4 * i);
-            v[i] = SQUARE ? a[0][i] : MB_LD4(w + 4 * i);
-        }
-    int k = 0;
-#pragma unroll 1
-    for (; k + 4 * P <= kc; k += 4 * P) {
-        bool more[(P + 3) / 4]; /* piece group g reloads (kc - k is a multiple of 16) */
-#pragma unroll
-        for (int g = 0; g < (P + 3) / 4; g++) more[g] = k + 4 * P + 16 * g < kc;
-#pragma unroll
-        for (int i = 0; i < P; i++) {
-#pragma unroll
-            for (int r = 0; r < R; r++) MB_FMA4(acc[r], a[r][i], v[i])
-            if (more[i / 4]) {
-#pragma unroll
-                for (int r = 0; r < R; r++) a[r][i] = MB_LD4(x[r] + k + 4 * P + 4 * i);
-                v[i] = SQUARE ? a[0][i] : MB_LD4(w + k + 4 * P + 4 * i);
-            }
-        }
-    }
-    if (k < kc) /* the last kc - k terms: at most 4 P - 16 */
-#pragma unroll
-        for (int i = 0; i < P - 4; i++)
-            if (k + 16 * (i / 4) < kc)
-#pragma unroll
-                for (int r = 0; r < R; r++) MB_FMA4(acc[r], a[r][i], v[i])
-}
-
-/* one row's chain: acc continued over x[k] * w[k] */
 template <bool SQUARE>
 MB_DEV float mb_chain_tile(float acc, const float *x, const float *w, int kc)
 {
-    float a[1] = {acc};
-    const float *const xs[1] = {x};
-    mb_chain_rows<SQUARE>(a, xs, w, kc);
-    return a[0];
+    float4 a[8], v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (4 * i < kc) {
+            a[i] = MB_LD4(x + 4 * i);
+            v[i] = SQUARE ? a[i] : MB_LD4(w + 4 * i);
+        }
+    int k = 0;
+#pragma unroll 1
+    for (; k + 32 <= kc; k += 32) {
+        const bool lo = k + 32 < kc, hi = k + 48 < kc; /* pieces 0-3 and 4-7 reload */
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            MB_FMA4(a[i], v[i])
+            if (i < 4 ? lo : hi) {
+                a[i] = MB_LD4(x + k + 32 + 4 * i);
+                v[i] = SQUARE ? a[i] : MB_LD4(w + k + 32 + 4 * i);
+            }
+        }
+    }
+    if (k < kc) /* a last 16 */
+#pragma unroll
+        for (int i = 0; i < 4; i++) MB_FMA4(a[i], v[i])
+    return acc;
 }
 #undef MB_LD4
 #undef MB_FMA4

@@ -255,13 +255,11 @@ MB_GEMM_KERNEL(mb_gemm_strip_res_k, 4, 64, 32, 64, 32, 8, 8, 16, true)
 #undef MB_GEMM_KERNEL
 
 /* Few rows of X (decode): each block takes GV_ROWS rows of W and GV_MROWS rows of X
- * (grid y), and thread (warp m, lane n) walks the chain of output (m, n), and of
- * output (m + GV_PAIR, n) where that row is live too, so a chain runs at the latency
- * of one fmaf per term, and a block of many rows reads each piece of W once for two
- * rows (shared-memory reads, not the fmas, bound a block whose rows are all live).
- * W and X tiles stream through a ring of GV_STAGES shared-memory stages (cp.async)
- * kept GV_STAGES - 1 chunks ahead. The warps with no chain (at least GV_PAIR) issue
- * the copies, so a chain never waits for its own warp's address arithmetic. W rows
+ * (grid y), and thread (warp m, lane n) walks the chain of output (m, n) alone, so
+ * a chain runs at the latency of one fmaf per term. W and X tiles stream through a
+ * ring of GV_STAGES shared-memory stages (cp.async) kept GV_STAGES - 1 chunks ahead.
+ * The warps with no row of X (all of them when every row is live) issue the
+ * copies, so a chain never waits for its own warp's address arithmetic. W rows
  * are padded by 4 floats: a quarter-warp's float4 reads of 8 rows then fall in
  * distinct banks. Rows past N or M are not loaded; their outputs are not stored.
  * res (optional) adds the residual in the epilogue, as mb_residual_k would:
@@ -282,7 +280,6 @@ MB_GEMM_KERNEL(mb_gemm_strip_res_k, 4, 64, 32, 64, 32, 8, 8, 16, true)
 #define GV_LD (GV_KC + 4)
 #define GV_STAGES 2
 #define GV_THREADS 256
-#define GV_PAIR (GV_MROWS / 2)
 #define GV_NLD(K) (((K) + 31) / 32 * 32 + 4) /* 4 mod 32: as rmsnorm.cu's whole rows */
 
 MB_KERNEL void MB_BOUNDS(GV_THREADS)
@@ -304,8 +301,7 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     const bool vx = (ldx & 3) == 0 && ((uintptr_t)Xb & 15) == 0;
     const bool vw = (ldw & 3) == 0 && ((uintptr_t)Wb & 15) == 0;
     const int chunks = (int)((k1 - k0 + GV_KC - 1) / GV_KC);
-    const int walkers = mrows < GV_PAIR ? mrows : GV_PAIR; /* warps with chains */
-    const int first = 32 * walkers; /* the loaders: tid >= first */
+    const int first = mrows < GV_MROWS ? 32 * mrows : 0; /* the loaders: tid >= first */
     const int ltid = tid - first, lthreads = GV_THREADS - first;
     Y += (int64_t)blockIdx.z * ldleaf;
 
@@ -339,8 +335,8 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         if (s < chunks && !nw) MB_GV_STAGE(s, Xs, Xb, ldx, mrows, vx, GV_MROWS)
         mb_cp_commit();
     }
-    float acc[2] = {0.0f, 0.0f};
-    const bool live = mw < walkers, two = mw + GV_PAIR < mrows;
+    float acc = 0.0f;
+    const bool live = mw < mrows;
     for (int c = 0; c < chunks; c++) {
         mb_cp_wait<GV_STAGES - 2>();
         __syncthreads();
@@ -349,23 +345,13 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
         if (live) {
             const int slot = c % GV_STAGES;
             const float *w = Ws + (slot * GV_ROWS + lane) * GV_LD;
-            const float *x[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int m = mw + r * GV_PAIR;
-                x[r] = nw ? Xs + m * xld + (int64_t)c * GV_KC : Xs + (slot * GV_MROWS + m) * GV_LD;
-            }
+            const float *x = nw ? Xs + mw * xld + (int64_t)c * GV_KC
+                                : Xs + (slot * GV_MROWS + mw) * GV_LD;
             const int64_t kn = k1 - (k0 + (int64_t)c * GV_KC);
-            if (kn >= GV_KC && two) {
-                mb_chain_rows<false, 2, 4>(acc, x, w, GV_KC);
-            } else if (kn >= GV_KC) {
-                acc[0] = mb_chain_tile<false>(acc[0], x[0], w, GV_KC);
-            } else {
-                for (int kk = 0; kk < kn; kk++) {
-                    acc[0] = fmaf(x[0][kk], w[kk], acc[0]);
-                    if (two) acc[1] = fmaf(x[1][kk], w[kk], acc[1]);
-                }
-            }
+            if (kn >= GV_KC)
+                acc = mb_chain_tile<false>(acc, x, w, GV_KC);
+            else
+                for (int kk = 0; kk < kn; kk++) acc = fmaf(x[kk], w[kk], acc);
         }
     }
 #undef MB_GV_ISSUE
@@ -377,15 +363,11 @@ mb_gemv_k(int64_t M, int64_t N, int64_t K, const float *X, int64_t ldx, const fl
     if (host && blockIdx.x == 0 && tid == 0) mb_guard_report(!mb_refused(guard), bad, guard, host);
     if (live && lane < nrows) {
         const bool refused = (host && bad != ~0ull) || mb_refused(guard);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            if (r && !two) break;
-            const int64_t m = m0 + mw + r * GV_PAIR, n = n0 + lane;
-            float v = acc[r];
-            if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
-            Y[m * ldy + n] = v;
-            conv_epilogue<mb_identical>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
-        }
+        const int64_t m = m0 + mw, n = n0 + lane;
+        float v = acc;
+        if (res) v = refused ? MB_QNAN : res[m * ldr + n] + v;
+        Y[m * ldy + n] = v;
+        conv_epilogue<mb_identical>(m, n, v, !refused, c0, C, window, cw, cb, u, ldu);
     }
 }
 
