@@ -179,9 +179,8 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_FOLD_THREADS, 3) mb_fast_m2_fold_k(M2_FOLD_PARA
  * tile's outputs in registers (ssd.cu's 64 x 64 tiles of SSD_ORN rows a thread,
  * columns p):
  *   Y_diag = M . Xd, the chain over j <= i ascending, by column tiles of 64: G's tile
- *   and x's rows are copied as they lie by cp.async, G's while the previous tile's
- *   products run, x's while the columns are walked (each thread scales the x pieces
- *   it copied by dt: Xd); threads t and t + 64 walk column j = j0 + t of M =
+ *   and x's rows are copied as they lie by cp.async (each thread scales the x pieces
+ *   it copied by dt: Xd), then threads t and t + 64 walk column j = j0 + t of M =
  *   G * exp(seg) down the row tile's two halves (seg[i][j] the serial sum of
  *   dA[j+1..i] from +0, carried in segc from the tile above; the second half's
  *   thread runs the first half's adds too, the same chain; rows before r0, which came
@@ -222,35 +221,31 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m2_y_k(M2_Y_PARAMS)
         const int64_t ni = n - i0 < 64 ? n - i0 : 64;
         float acc[RN][8];
         ssd_zero(acc);
-        /* thread t copies rows t / 16 + 8 u at column 4 (t % 16) of G's tile (rows past
-         * n: +0) and of x's */
-        const int cc = 4 * (t % 16);
-        auto copy_g = [&](int64_t j0) {
+        for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
+            const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
+            __syncthreads(); /* the previous operands are consumed (dAs is written) */
+            /* thread t copies rows t / 16 + 8 u at column 4 (t % 16) of each (rows past
+             * n: +0) */
+            const int cc = 4 * (t % 16);
 #pragma unroll
             for (int uu = 0; uu < 64 * 16 / T; uu++) {
                 const int r = t / 16 + T / 16 * uu;
-                const bool gi = r < ni;
+                const bool gi = r < ni, xi = out && r < nj;
                 mb_cp_async16(&Gr[r][cc], g + (i0 + (gi ? r : 0)) * M2Q + j0 + cc, gi ? 16 : 0);
+                if (out)
+                    mb_cp_async16(&Xs[r][cc], u + (j0 + (xi ? r : 0)) * CD + h * SSD_HP + cc,
+                                  xi ? 16 : 0);
             }
-        };
-        __syncthreads(); /* the previous tile's pass is done with the buffers (dAs is written) */
-        copy_g(0);
-        mb_cp_commit();
-        for (int64_t j0 = 0; j0 <= i0; j0 += 64) {
-            const int nj = n - j0 < 64 ? (int)(n - j0) : 64;
-            __syncthreads(); /* the previous products are done with Mt and Xs */
+            mb_cp_commit();
+            mb_cp_wait<0>();
             if (out) {
 #pragma unroll
                 for (int uu = 0; uu < 64 * 16 / T; uu++) {
                     const int r = t / 16 + T / 16 * uu;
-                    const bool xi = r < nj;
-                    mb_cp_async16(&Xs[r][cc], u + (j0 + (xi ? r : 0)) * CD + h * SSD_HP + cc,
-                                  xi ? 16 : 0);
+                    if (r < nj) ssd_scale4(&Xs[r][cc], dts[j0 + r]);
                 }
             }
-            mb_cp_commit();
-            mb_cp_wait<1>(); /* G's tile (copied while the previous products ran) */
-            __syncthreads(); /* G is in; x lands while the columns are walked */
+            __syncthreads(); /* G and Xd are in */
             const int64_t j = j0 + tj;
             float s = 0.0f; /* the column's seg at the tile's end (second half) */
             if (tj < nj) {
@@ -287,17 +282,7 @@ MB_KERNEL void MB_BOUNDS_MIN(SSD_OUT, 4) mb_m2_y_k(M2_Y_PARAMS)
                     }
                 }
             }
-            mb_cp_wait<0>();
-            if (out) {
-#pragma unroll
-                for (int uu = 0; uu < 64 * 16 / T; uu++) {
-                    const int r = t / 16 + T / 16 * uu;
-                    if (r < nj) ssd_scale4(&Xs[r][cc], dts[j0 + r]);
-                }
-            }
-            __syncthreads(); /* Mt and Xd are in; G is consumed; both halves have read segc[j] */
-            if (j0 + 64 <= i0) copy_g(j0 + 64); /* lands while the products run */
-            mb_cp_commit();
+            __syncthreads(); /* Mt is in; both halves have read segc[j] */
             if (half && tj < nj) segc[j] = s;
             if (out) {
                 if (j0 < i0)
