@@ -333,7 +333,7 @@ NORM_SHAPES = [(1, 2048), (5, 64), (40, 64), (33, 384), (40, 1000), (3, 9000), (
                (600, 1000), (40, 4000), (9, 4001), (7, 24), (6, 13), (5, 176)]
 # (M, N, K) of the GEMV normalizing its rows itself: a row, a block's 8 rows and
 # one more, K a stage, not a multiple of 4, past a stage, Mamba-2's out_proj, K 48
-# (the chain's 32-term step and its last 16)
+# (the norm's sum of squares takes the chain's 32-term step and its last 16)
 NORM_GEMVS = [(1, 40, 2048), (8, 33, 13), (9, 70, 1031), (64, 32, 256), (3, 1024, 2048),
               (2, 40, 48)]
 
